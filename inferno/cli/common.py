@@ -53,8 +53,9 @@ def set_threads(threads: int | None) -> None:
         os.environ[var] = str(threads)
     import numba
 
-    if threads > numba.config.NUMBA_NUM_THREADS:
-        raise InfernoError(f"--threads {threads} is more than this machine's {numba.config.NUMBA_NUM_THREADS}")
+    available = numba.config.NUMBA_NUM_THREADS
+    if threads > available:
+        raise InfernoError(f"--threads {threads} is more than the {available} this machine has")
     numba.set_num_threads(threads)
 
 

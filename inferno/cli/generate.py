@@ -1,0 +1,156 @@
+"""`model-generate [--kv MODE] [MODEL.gguf] PROMPT [MAX_NEW_TOKENS]`: generate text and show what it cost."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from time import perf_counter
+
+import click
+
+from inferno.cli.common import console, run, set_threads
+from inferno.errors import InfernoError
+
+PROG = "model-generate"
+DEFAULT_MODEL = Path("models") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NEW_TOKENS = 32
+KV_MODES = ("basic", "prealloc")
+
+
+def default_model() -> Path:
+    """$INFERNO_MODEL, else models/ in the working directory, else models/ of this checkout."""
+    if os.environ.get("INFERNO_MODEL"):
+        return Path(os.environ["INFERNO_MODEL"])
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        if (root / DEFAULT_MODEL).is_file():
+            return root / DEFAULT_MODEL
+    raise InfernoError(
+        f"no model given and the default model is not at {DEFAULT_MODEL}: "
+        "fetch it with `make model` (bin/fetch-model), or pass a .gguf path"
+    )
+
+
+def looks_like_model(arg: str) -> bool:
+    return arg.endswith(".gguf") or os.path.isfile(arg)
+
+
+def split_positionals(args: tuple[str, ...], prompt: str | None = None) -> tuple[Path | None, str, int]:
+    """[MODEL.gguf] PROMPT [MAX_NEW_TOKENS] (PROMPT absent when it comes from --prompt-file).
+
+    The first argument is the model when it looks like one or when every argument is present.
+    """
+    args = list(args)
+    full = 2 if prompt is not None else 3
+    model = Path(args.pop(0)) if args and (looks_like_model(args[0]) or len(args) == full) else None
+    if prompt is None:
+        if not args:
+            raise click.UsageError("missing PROMPT")
+        prompt = args.pop(0)
+    if len(args) > 1:
+        raise click.UsageError(f"too many arguments: {' '.join(args)}")
+    if not args:
+        return model, prompt, DEFAULT_NEW_TOKENS
+    try:
+        return model, prompt, int(args[0])
+    except ValueError:
+        raise click.UsageError(f"MAX_NEW_TOKENS must be a whole number, got {args[0]!r}") from None
+
+
+def read_prompt_file(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InfernoError(f"cannot read --prompt-file {path}: {exc}") from None
+
+
+def _kv_alone_means_basic(argv: list[str]) -> list[str]:
+    """`--kv` with no mode means basic: give it one when the next word is not a mode but a file or flag."""
+    out = []
+    for i, arg in enumerate(argv):
+        out.append(arg)
+        if arg == "--kv":
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if nxt is None or nxt.startswith("-") or nxt.endswith(".gguf") or os.path.exists(nxt):
+                out.append("basic")
+    return out
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("args", nargs=-1, metavar="[MODEL.gguf] PROMPT [MAX_NEW_TOKENS]")
+@click.option("--kv", "kv", default=None, metavar="MODE",
+              help=f"KV cache: {' | '.join(KV_MODES)} (--kv alone: basic). Without it: no cache.")
+@click.option("--max-context", type=int, default=None,
+              help="Tokens the cache is sized for (default: prompt + new tokens).")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 means greedy.")
+@click.option("--top-k", type=int, default=0, help="Sample from the k most likely tokens (0: off).")
+@click.option("--top-p", type=float, default=1.0, help="Sample from the smallest set of mass p.")
+@click.option("--seed", type=int, default=None, help="Random seed for sampling.")
+@click.option("--ignore-eos", is_flag=True, help="Generate all tokens even past end-of-sequence.")
+@click.option("--prompt-file", type=click.Path(dir_okay=False), default=None,
+              help="Read the prompt from a file (PROMPT is then not given).")
+@click.option("--threads", type=int, default=None, help="Threads for the kernels (default: all cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text and tables.")
+def command(args, kv, max_context, chat, temperature, top_k, top_p, seed, ignore_eos, prompt_file, threads,
+            as_json):
+    """Generate text with a GGUF model on the CPU and report per-forward timings.
+
+    With a KV cache decode cost stays flat; without one every step reruns the whole sequence.
+    """
+    set_threads(threads)
+    file_prompt = read_prompt_file(prompt_file) if prompt_file else None
+    model_path, prompt, max_new = split_positionals(args, file_prompt)
+    if max_new < 1:
+        raise InfernoError(f"MAX_NEW_TOKENS must be at least 1, got {max_new}")
+    if kv is not None and kv not in KV_MODES:
+        raise InfernoError(f"unknown KV cache mode {kv!r} (valid: {', '.join(KV_MODES)})")
+    if max_context is not None and max_context < 1:
+        raise InfernoError(f"--max-context must be at least 1, got {max_context}")
+    from inferno.sampling import Sampler
+
+    sampler = Sampler(temperature, top_k, top_p, seed)
+    model_path = model_path or default_model()
+
+    from inferno.engine import Engine
+
+    err = console(stderr=True)
+    engine = Engine.load(model_path, status=None if as_json else err)
+    tok = engine.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+    prompt_ids = tok.encode(text)
+    cache = engine.make_cache(kv, len(prompt_ids), max_new, max_context)
+
+    from inferno.generate import generate
+    from inferno.tokenizer import StreamDecoder
+
+    out = console()
+    stream = StreamDecoder(tok)
+    on_token = (lambda _: None) if as_json else (lambda t: print(stream.push(t), end="", flush=True))
+    if not as_json:
+        out.print(prompt, style="dim", end="")
+    t0 = perf_counter()
+    result = generate(engine.model, prompt_ids, max_new, sampler, cache=cache,
+                      is_stop=(lambda _: False) if ignore_eos else tok.is_stop, on_token=on_token)
+    wall_ms = (perf_counter() - t0) * 1000
+    metrics = result.metrics.to_dict() | {"wall_ms": wall_ms, **engine.startup}
+    if as_json:
+        json.dump({"model": str(model_path), "prompt": text, "prompt_ids": prompt_ids,
+                   "token_ids": result.token_ids, "text": tok.decode(result.token_ids),
+                   "metrics": metrics}, sys.stdout)
+        print()
+        return
+    print(stream.flush(), flush=True)
+    from inferno.cli.display import metrics_panel
+
+    out.print(metrics_panel(metrics))
+
+
+def main() -> None:
+    sys.argv[1:] = _kv_alone_means_basic(sys.argv[1:])
+    run(command, PROG)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""A loaded model ready to run: weights, tokenizer, compiled kernels, and the cache it needs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from time import perf_counter
+
+import numpy as np
+
+from inferno.config import ModelConfig
+from inferno.errors import InfernoError
+from inferno.gguf_file import open_gguf
+from inferno.kv_cache import BasicKVCache, KVCache, create_kv_cache
+from inferno.model import Transformer
+from inferno.tokenizer import GGUFTokenizer
+
+
+class Engine:
+    def __init__(self, model: Transformer, tokenizer: GGUFTokenizer, startup: dict[str, float]):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.startup = startup  # load_ms, jit_ms
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, status=None) -> Engine:
+        """Open the GGUF, map its weights, build its tokenizer and compile the kernels.
+
+        status: a rich Console to show progress on (None for quiet, as with --json).
+        """
+
+        def step(message: str):
+            return status.status(message) if status is not None else contextlib.nullcontext()
+
+        t0 = perf_counter()
+        with step(f"loading {path}"):
+            reader = open_gguf(path)
+            model = Transformer.from_gguf(reader)
+            tokenizer = GGUFTokenizer.from_gguf(reader)
+        t1 = perf_counter()
+        with step("compiling kernels (cached on disk after the first run)"):
+            warm_up(model)
+        t2 = perf_counter()
+        return cls(model, tokenizer, {"load_ms": (t1 - t0) * 1000, "jit_ms": (t2 - t1) * 1000})
+
+    def make_cache(
+        self, mode: str | None, prompt_tokens: int, new_tokens: int, max_context: int | None = None
+    ) -> KVCache | None:
+        """The cache for a request, refusing before any work a request that cannot fit."""
+        context = self.config.context_length
+        needed = prompt_tokens + new_tokens
+        if prompt_tokens == 0:
+            raise InfernoError("the prompt is empty (0 tokens)")
+        if prompt_tokens > context:
+            raise InfernoError(
+                f"prompt of {prompt_tokens} tokens is longer than the model's context of {context}"
+            )
+        if mode is None:
+            if needed > context:
+                raise InfernoError(
+                    f"prompt of {prompt_tokens} tokens + {new_tokens} new tokens = {needed}, "
+                    f"more than the model's context of {context}"
+                )
+            return None
+        capacity = max_context or needed
+        if capacity > context:
+            raise InfernoError(f"--max-context {capacity} is more than the model's context of {context}")
+        if needed > capacity:
+            raise InfernoError(
+                f"prompt of {prompt_tokens} tokens + {new_tokens} new tokens = {needed}, "
+                f"more than --max-context {capacity}"
+            )
+        return create_kv_cache(mode, self.config, capacity)
+
+
+def warm_up(model: Transformer) -> None:
+    """Run every kernel once on two tokens so the first timed forward measures work, not compiling."""
+    cache = BasicKVCache(model.config.n_layers, model.config.kv_width, 3)
+    model.prefill(np.array([0, 1]), cache)
+    model.decode(2, 2, cache)

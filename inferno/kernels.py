@@ -1,0 +1,185 @@
+"""Numba CPU kernels for one transformer forward: norms, RoPE, softmax, attention, MLP gating.
+
+Every kernel takes float32, C-contiguous arrays (one signature each, so each compiles once and is
+cached on disk). Only kernels with enough work per call run in parallel: a decode step's norms and
+gates are a few thousand floats, less than the cost of waking a thread pool. Matrix products against quantized weights live in `inferno.quant`; the big
+matrix-matrix products of prefill go to numpy's BLAS.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+
+@njit(cache=True, fastmath=True)
+def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """Rows of x [n, d] scaled to unit root-mean-square, times weight [d]."""
+    n, d = x.shape
+    out = np.empty_like(x)
+    for i in range(n):
+        ss = 0.0
+        for j in range(d):
+            ss += x[i, j] * x[i, j]
+        scale = np.float32(1.0 / math.sqrt(ss / d + eps))
+        for j in range(d):
+            out[i, j] = weight[j] * (x[i, j] * scale)
+    return out
+
+
+@njit(cache=True, fastmath=True)
+def rope_single_row(row: np.ndarray, pos: int, n_heads: int, inv_freq: np.ndarray, neox: bool) -> None:
+    """Rotate one token's heads in place by the RoPE angles of position `pos`.
+
+    row is [n_heads * head_dim]; inv_freq [rope_dim / 2] holds the rotation frequencies.
+    neox pairs dimension i with i + rope_dim/2; otherwise adjacent dimensions (2i, 2i + 1) pair up.
+    Dimensions past rope_dim (partial RoPE) are left as they are.
+    """
+    head_dim = row.shape[0] // n_heads
+    half = inv_freq.shape[0]
+    for i in range(half):
+        angle = np.float32(pos) * inv_freq[i]
+        c = np.float32(math.cos(angle))
+        s = np.float32(math.sin(angle))
+        a_off = i if neox else 2 * i
+        b_off = i + half if neox else 2 * i + 1
+        for h in range(n_heads):
+            a = row[h * head_dim + a_off]
+            b = row[h * head_dim + b_off]
+            row[h * head_dim + a_off] = a * c - b * s
+            row[h * head_dim + b_off] = b * c + a * s
+
+
+@njit(cache=True, fastmath=True)
+def rope(x: np.ndarray, start_pos: int, n_heads: int, inv_freq: np.ndarray, neox: bool) -> None:
+    """RoPE in place for a whole sequence x [T, n_heads * head_dim] at positions start_pos.. ."""
+    for t in range(x.shape[0]):
+        rope_single_row(x[t], start_pos + t, n_heads, inv_freq, neox)
+
+
+@njit(cache=True, fastmath=True)
+def rms_norm_heads(x: np.ndarray, n_heads: int, weight: np.ndarray, eps: float) -> None:
+    """RMSNorm over each head of each row of x [T, n_heads * head_dim], in place (qwen3's q/k norm)."""
+    head_dim = weight.shape[0]
+    for t in range(x.shape[0]):
+        for h in range(n_heads):
+            base = h * head_dim
+            ss = 0.0
+            for j in range(head_dim):
+                ss += x[t, base + j] * x[t, base + j]
+            scale = np.float32(1.0 / math.sqrt(ss / head_dim + eps))
+            for j in range(head_dim):
+                x[t, base + j] = weight[j] * (x[t, base + j] * scale)
+
+
+@njit(cache=True, fastmath=True)
+def softmax(x: np.ndarray) -> None:
+    """Softmax of a 1-D array, in place, shifted by its max for stability."""
+    m = x[0]
+    for i in range(1, x.shape[0]):
+        m = max(m, x[i])
+    total = 0.0
+    for i in range(x.shape[0]):
+        x[i] = math.exp(x[i] - m)
+        total += x[i]
+    inv = np.float32(1.0 / total)
+    for i in range(x.shape[0]):
+        x[i] *= inv
+
+
+@njit(cache=True, fastmath=True, parallel=True)
+def causal_softmax(scores: np.ndarray, n_queries: int, first_pos: int) -> None:
+    """Masked softmax in place over scores [batch, rows, keys] of a causal attention block.
+
+    Row r belongs to the query at absolute position first_pos + r % n_queries: it sees keys
+    0..that position and gets weight exactly 0 on every later key.
+    """
+    batch, rows, _ = scores.shape
+    for br in prange(batch * rows):
+        b, r = br // rows, br % rows
+        visible = first_pos + r % n_queries + 1
+        softmax(scores[b, r, :visible])
+        scores[b, r, visible:] = 0.0
+
+
+@njit(cache=True, fastmath=True, parallel=True)
+def attention_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: int) -> np.ndarray:
+    """One query token against every cached position, grouped-query heads; no mask is needed.
+
+    q [n_heads * head_dim]; keys, values [S, n_kv_heads * head_dim]; returns [n_heads * head_dim].
+    """
+    n_pos, kv_width = keys.shape
+    head_dim = q.shape[0] // n_heads
+    group = n_heads // (kv_width // head_dim)
+    scale = np.float32(1.0 / math.sqrt(head_dim))
+    out = np.zeros_like(q)
+    for h in prange(n_heads):
+        qo = h * head_dim
+        ko = (h // group) * head_dim
+        weights = np.empty(n_pos, dtype=np.float32)
+        for s in range(n_pos):
+            acc = np.float32(0.0)
+            for j in range(head_dim):
+                acc += q[qo + j] * keys[s, ko + j]
+            weights[s] = acc * scale
+        softmax(weights)
+        for s in range(n_pos):
+            w = weights[s]
+            for j in range(head_dim):
+                out[qo + j] += w * values[s, ko + j]
+    return out
+
+
+@njit(cache=True, fastmath=True)
+def silu_gate(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """SiLU(gate) * up, element-wise, for the gated MLP (rows of [n, ffn])."""
+    n, f = gate.shape
+    out = np.empty_like(gate)
+    for i in range(n):
+        for j in range(f):
+            g = gate[i, j]
+            out[i, j] = g / (np.float32(1.0) + np.float32(math.exp(-g))) * up[i, j]
+    return out
+
+
+@njit(cache=True)
+def concat_dim0(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """A new array holding the rows of a then the rows of b: a full copy, by design."""
+    out = np.empty((a.shape[0] + b.shape[0], a.shape[1]), dtype=a.dtype)
+    out[: a.shape[0]] = a
+    out[a.shape[0] :] = b
+    return out
+
+
+def attention_prefill(
+    q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: int, first_pos: int, block: int = 256
+) -> np.ndarray:
+    """Causal grouped-query attention of T new queries at positions first_pos.. over S = first_pos + T keys.
+
+    q [T, n_heads * head_dim]; keys, values [S, n_kv_heads * head_dim]. The products are BLAS
+    matmuls per KV head, with all query heads of a group stacked; queries go in blocks so the
+    score matrix stays small for long prompts.
+    """
+    n_queries = q.shape[0]
+    n_pos, kv_width = keys.shape
+    head_dim = q.shape[1] // n_heads
+    n_kv = kv_width // head_dim
+    group = n_heads // n_kv
+    k_heads = keys.reshape(n_pos, n_kv, head_dim).transpose(1, 2, 0)  # [n_kv, D, S], a view
+    v_heads = values.reshape(n_pos, n_kv, head_dim).transpose(1, 0, 2)  # [n_kv, S, D], a view
+    out = np.empty_like(q)
+    scale = np.float32(1.0 / math.sqrt(head_dim))
+    for t0 in range(0, n_queries, block):
+        t1 = min(t0 + block, n_queries)
+        n = t1 - t0
+        visible = first_pos + t1  # keys past the last query of the block are never seen
+        # [n, n_kv, group, D] -> [n_kv, group * n, D]: each KV head's query heads stacked.
+        q_heads = q[t0:t1].reshape(n, n_kv, group, head_dim).transpose(1, 2, 0, 3)
+        q_heads = q_heads.reshape(n_kv, group * n, head_dim)
+        scores = np.matmul(q_heads, k_heads[:, :, :visible]) * scale
+        causal_softmax(scores, n, first_pos + t0)
+        mixed = np.matmul(scores, v_heads[:, :visible])  # [n_kv, group * n, D]
+        out[t0:t1] = mixed.reshape(n_kv, group, n, head_dim).transpose(2, 0, 1, 3).reshape(n, -1)
+    return out

@@ -1,0 +1,182 @@
+"""The transformer: llama, qwen2 and qwen3 in one readable forward, with two paths.
+
+- `prefill(tokens, cache)` runs a whole prompt at once and stores every layer's K (after RoPE) and V.
+- `decode(token, pos, cache)` runs one token at position `pos`: it appends that token's K/V and
+  attends one query over the cache.
+- `forward(tokens)` is the naive path with no cache: the whole sequence, every step.
+
+Weights stay in their GGUF type (`QuantizedMatrix`); activations are float32 throughout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGUFReader
+
+from inferno import kernels
+from inferno.config import ModelConfig
+from inferno.errors import InfernoError
+from inferno.kv_cache import KVCache
+from inferno.quant import QuantizedMatrix, tensor_to_float32
+
+
+@dataclass
+class Layer:
+    attn_norm: np.ndarray
+    wq: QuantizedMatrix
+    wk: QuantizedMatrix
+    wv: QuantizedMatrix
+    wo: QuantizedMatrix
+    bq: np.ndarray | None  # qwen2
+    bk: np.ndarray | None
+    bv: np.ndarray | None
+    q_norm: np.ndarray | None  # qwen3: RMSNorm over each head of q and k before RoPE
+    k_norm: np.ndarray | None
+    ffn_norm: np.ndarray
+    w_gate: QuantizedMatrix
+    w_up: QuantizedMatrix
+    w_down: QuantizedMatrix
+
+
+def rope_frequencies(config: ModelConfig) -> np.ndarray:
+    """Rotation frequency of each dimension pair, in float32 as the HF reference computes them."""
+    exponents = np.arange(0, config.rope_dim, 2, dtype=np.float32) / np.float32(config.rope_dim)
+    return (np.float32(1.0) / np.power(np.float32(config.rope_base), exponents)).astype(np.float32)
+
+
+class Transformer:
+    def __init__(
+        self,
+        config: ModelConfig,
+        embedding: QuantizedMatrix,
+        layers: list[Layer],
+        output_norm: np.ndarray,
+        output: QuantizedMatrix,
+    ):
+        self.config = config
+        self.embedding = embedding
+        self.layers = layers
+        self.output_norm = output_norm
+        self.output = output
+        self.inv_freq = rope_frequencies(config)
+
+    @classmethod
+    def from_gguf(cls, reader: GGUFReader) -> Transformer:
+        config = ModelConfig.from_gguf(reader)
+        tensors = {t.name: t for t in reader.tensors}
+
+        def tensor(name: str):
+            if name not in tensors:
+                raise InfernoError(f"GGUF file has no tensor {name} ({config.architecture} needs it)")
+            return tensors[name]
+
+        def matrix(name: str) -> QuantizedMatrix:
+            return QuantizedMatrix.from_tensor(tensor(name))
+
+        def vector(name: str) -> np.ndarray:
+            return tensor_to_float32(tensor(name))
+
+        def optional(name: str) -> np.ndarray | None:
+            return vector(name) if name in tensors else None
+
+        layers = [
+            Layer(
+                attn_norm=vector(f"blk.{i}.attn_norm.weight"),
+                wq=matrix(f"blk.{i}.attn_q.weight"),
+                wk=matrix(f"blk.{i}.attn_k.weight"),
+                wv=matrix(f"blk.{i}.attn_v.weight"),
+                wo=matrix(f"blk.{i}.attn_output.weight"),
+                bq=optional(f"blk.{i}.attn_q.bias"),
+                bk=optional(f"blk.{i}.attn_k.bias"),
+                bv=optional(f"blk.{i}.attn_v.bias"),
+                q_norm=optional(f"blk.{i}.attn_q_norm.weight"),
+                k_norm=optional(f"blk.{i}.attn_k_norm.weight"),
+                ffn_norm=vector(f"blk.{i}.ffn_norm.weight"),
+                w_gate=matrix(f"blk.{i}.ffn_gate.weight"),
+                w_up=matrix(f"blk.{i}.ffn_up.weight"),
+                w_down=matrix(f"blk.{i}.ffn_down.weight"),
+            )
+            for i in range(config.n_layers)
+        ]
+        embedding = matrix("token_embd.weight")
+        output = embedding if config.tied_embeddings else matrix("output.weight")
+        return cls(config, embedding, layers, vector("output_norm.weight"), output)
+
+    # -- the two cached paths ------------------------------------------------------------------
+
+    def prefill(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
+        """Run `tokens` after the cache's committed tokens, store their K/V; logits of the last one."""
+        return self._forward_sequence(tokens, cache)
+
+    def decode(self, token: int, pos: int, cache: KVCache) -> np.ndarray:
+        """One token at position `pos`: append its K/V to the cache, attend over 0..pos; its logits."""
+        if cache.length != pos:
+            raise ValueError(f"decode at position {pos} but the cache holds {cache.length} tokens")
+        c = self.config
+        x = self.embedding.rows_at(np.array([token]))
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, kernels.rmsnorm(x, layer.attn_norm, c.rms_eps))
+            kernels.rope_single_row(q[0], pos, c.n_heads, self.inv_freq, c.rope_neox)
+            kernels.rope_single_row(k[0], pos, c.n_kv_heads, self.inv_freq, c.rope_neox)
+            cache.write(i, pos, k, v)
+            keys, values = cache.read(i, pos + 1)
+            attn = kernels.attention_decode(q[0], keys, values, c.n_heads)
+            x = x + _project(layer.wo, attn[None])
+            x = x + self._mlp(layer, x)
+        cache.commit(1)
+        return self._logits(x)[0]
+
+    # -- the naive path ------------------------------------------------------------------------
+
+    def forward(self, tokens: np.ndarray) -> np.ndarray:
+        """The whole sequence from scratch, no cache: logits of the last token."""
+        return self._forward_sequence(tokens, None)
+
+    # -- pieces --------------------------------------------------------------------------------
+
+    def _forward_sequence(self, tokens: np.ndarray, cache: KVCache | None) -> np.ndarray:
+        c = self.config
+        start = cache.length if cache is not None else 0
+        x = self.embedding.rows_at(np.asarray(tokens))
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, kernels.rmsnorm(x, layer.attn_norm, c.rms_eps))
+            kernels.rope(q, start, c.n_heads, self.inv_freq, c.rope_neox)
+            kernels.rope(k, start, c.n_kv_heads, self.inv_freq, c.rope_neox)
+            if cache is not None:
+                cache.write(i, start, k, v)
+                k, v = cache.read(i, start + len(tokens))
+            attn = kernels.attention_prefill(q, k, v, c.n_heads, start)
+            x = x + _project(layer.wo, attn)
+            x = x + self._mlp(layer, x)
+        if cache is not None:
+            cache.commit(len(tokens))
+        return self._logits(x[-1:])[0]
+
+    def _qkv(self, layer: Layer, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Projections of normed rows h [T, hidden] to q [T, q_width], k and v [T, kv_width]."""
+        c = self.config
+        q, k, v = (_project(w, h) for w in (layer.wq, layer.wk, layer.wv))
+        if layer.bq is not None:
+            q += layer.bq
+            k += layer.bk
+            v += layer.bv
+        if layer.q_norm is not None:
+            kernels.rms_norm_heads(q, c.n_heads, layer.q_norm, c.rms_eps)
+            kernels.rms_norm_heads(k, c.n_kv_heads, layer.k_norm, c.rms_eps)
+        return q, k, v
+
+    def _mlp(self, layer: Layer, x: np.ndarray) -> np.ndarray:
+        h = kernels.rmsnorm(x, layer.ffn_norm, self.config.rms_eps)
+        return _project(layer.w_down, kernels.silu_gate(_project(layer.w_gate, h), _project(layer.w_up, h)))
+
+    def _logits(self, x: np.ndarray) -> np.ndarray:
+        return _project(self.output, kernels.rmsnorm(x, self.output_norm, self.config.rms_eps))
+
+
+def _project(w: QuantizedMatrix, x: np.ndarray) -> np.ndarray:
+    """x [T, in] @ W.T: a matrix-vector product for one row, BLAS matmul for many."""
+    if x.shape[0] == 1:
+        return w.matvec(x[0])[None]
+    return w.matmul(x)
