@@ -1,0 +1,327 @@
+"""The tokenizer a GGUF file carries in its metadata, rebuilt as a Hugging Face `tokenizers.Tokenizer`.
+
+It is built the way transformers builds one from a GGUF (`AutoTokenizer.from_pretrained(..., gguf_file=...)`),
+so both give the same ids for the same text; the tests check that against ids recorded from transformers.
+Only byte-level BPE vocabularies (`tokenizer.ggml.model = gpt2`) are supported.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from datetime import datetime
+from functools import cache
+from typing import Any, ClassVar
+
+import gguf
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from inferno.errors import InfernoError
+from inferno.gguf_file import metadata
+
+# tokenizer.ggml.token_type values
+CONTROL = 3
+USER_DEFINED = 4
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# tokenizer.ggml.pre -> the regex that cuts text into words before BPE. None is GPT-2's own regex,
+# which is what transformers uses for every name it has no regex for (smollm among them).
+PRE_TOKENIZER_SPLITS: dict[str, str | None] = {
+    "default": None,
+    "gpt2": None,
+    "gpt-2": None,
+    "smollm": None,
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "falcon3": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "megrez": _QWEN2_SPLIT,
+    "qwen35": _QWEN35_SPLIT,
+}
+
+# llama.cpp also ends generation on tokens with these texts; we take them when the file marks them control.
+_END_OF_GENERATION_TEXTS = frozenset(
+    {
+        "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
+        "<|endoftext|>", "<|end_of_text|>", "<EOT>", "_<EOT>", "<end_of_utterance>",
+        "<\uff5cend\u2581of\u2581sentence\uff5c>",  # DeepSeek's, written with full-width bars
+    }
+)  # fmt: skip
+
+
+# Chat template variable (as transformers names it) -> the NAME in tokenizer.ggml.NAME_token_id
+_TEMPLATE_NAMES = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
+
+
+@cache
+def _byte_spelling() -> dict[int, str]:
+    """GPT-2's byte -> printable character table: byte-level vocabularies spell every token with it."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # stand for themselves
+    spelling = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in spelling:
+            spelling[b] = chr(256 + extra)
+            extra += 1
+    return spelling
+
+
+@cache
+def _byte_of_char() -> dict[str, int]:
+    return {char: b for b, char in _byte_spelling().items()}
+
+
+def _spelled_bytes(token: str) -> bytes:
+    """The bytes a token stands for, as the ByteLevel decoder reads them: a token that is not spelled
+    in the byte alphabet (a user-defined token holding real spaces, say) stands for its own UTF-8."""
+    table = _byte_of_char()
+    if all(char in table for char in token):
+        return bytes(table[char] for char in token)
+    return token.encode("utf-8")
+
+
+class GGUFTokenizer:
+    """Text <-> token ids for one GGUF file, plus its chat template and stop tokens."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        tokens: list[str],
+        *,
+        bos_id: int | None,
+        eos_id: int | None,
+        add_bos: bool,
+        add_eos: bool,
+        stop_ids: frozenset[int],
+        special_tokens: dict[str, str],
+        chat_template: str | None,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._tokens = tokens
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.add_bos = add_bos
+        self.add_eos = add_eos
+        self.vocab_size = len(tokens)
+        self._stop_ids = stop_ids
+        self._special_tokens = special_tokens
+        self._chat_template = chat_template
+        self._compiled_template: jinja2.Template | None = None
+
+    @classmethod
+    def from_gguf(cls, reader: gguf.GGUFReader) -> GGUFTokenizer:
+        model = metadata(reader, "tokenizer.ggml.model")
+        if model is None:
+            raise InfernoError("GGUF has no tokenizer (tokenizer.ggml.model is missing)")
+        if model != "gpt2":
+            raise InfernoError(f"unsupported tokenizer model {model!r} (supported: 'gpt2', byte-level BPE)")
+        pre = metadata(reader, "tokenizer.ggml.pre", "default")
+        if pre not in PRE_TOKENIZER_SPLITS:
+            raise InfernoError(
+                f"unsupported pre-tokenizer {pre!r} (supported: {', '.join(sorted(PRE_TOKENIZER_SPLITS))})"
+            )
+        tokens = metadata(reader, "tokenizer.ggml.tokens")
+        merges = metadata(reader, "tokenizer.ggml.merges")
+        if not tokens or not merges:
+            raise InfernoError("GGUF tokenizer has no tokens or no merges")
+        token_types = metadata(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+        if len(token_types) != len(tokens):
+            raise InfernoError("GGUF tokenizer has a different number of token types than tokens")
+
+        def token_id(name: str) -> int | None:
+            value = metadata(reader, f"tokenizer.ggml.{name}_token_id")
+            return value if value is not None and 0 <= value < len(tokens) else None
+
+        ids = {name: token_id(name) for name in ("bos", "eos", "unknown", "padding", "eot", "eom")}
+        named = {var: ids[name] for var, name in _TEMPLATE_NAMES.items() if ids[name] is not None}
+
+        tokenizer = _build_tokenizer(tokens, merges, PRE_TOKENIZER_SPLITS[pre])
+        _add_special_tokens(tokenizer, tokens, token_types, set(named.values()))
+        stop_ids = {i for i in (ids["eos"], ids["eot"], ids["eom"]) if i is not None}
+        stop_ids |= {
+            i
+            for i, (text, kind) in enumerate(zip(tokens, token_types, strict=True))
+            if kind == CONTROL and text in _END_OF_GENERATION_TEXTS
+        }
+        return cls(
+            tokenizer,
+            tokens,
+            bos_id=ids["bos"],
+            eos_id=ids["eos"],
+            add_bos=bool(metadata(reader, "tokenizer.ggml.add_bos_token", False)),
+            add_eos=bool(metadata(reader, "tokenizer.ggml.add_eos_token", False)),
+            stop_ids=frozenset(stop_ids),
+            special_tokens={var: tokens[i] for var, i in named.items()},
+            chat_template=metadata(reader, "tokenizer.chat_template"),
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids for `text`; special tokens written in it (`<|im_start|>`) become their single id."""
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_id is not None:
+            ids.insert(0, self.bos_id)
+        if self.add_eos and self.eos_id is not None:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids`, special tokens included; bytes that are not valid UTF-8 become U+FFFD."""
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
+
+    def token_bytes(self, id: int) -> bytes:
+        """The raw bytes one token stands for (may be part of a multi-byte character)."""
+        return _spelled_bytes(self._token(id))
+
+    def token_text(self, id: int) -> str:
+        """One token as readable text: "Ġthe" is " the"; a piece of a character shows as \\xNN escapes."""
+        return self.token_bytes(id).decode("utf-8", errors="backslashreplace")
+
+    def is_stop(self, id: int) -> bool:
+        """True for the tokens that end generation: EOS, end-of-turn and the like."""
+        return id in self._stop_ids
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render the file's chat template for `messages` (dicts with "role" and "content")."""
+        if self._chat_template is None:
+            raise InfernoError("this GGUF has no chat template (tokenizer.chat_template)")
+        try:
+            if self._compiled_template is None:
+                self._compiled_template = _chat_environment().from_string(self._chat_template)
+            return self._compiled_template.render(
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self._special_tokens,
+            )
+        except jinja2.TemplateError as exc:
+            raise InfernoError(f"chat template failed: {exc}") from None
+
+    def _token(self, id: int) -> str:
+        if not 0 <= id < len(self._tokens):
+            raise InfernoError(f"token id {id} is outside the vocabulary (0..{len(self._tokens) - 1})")
+        return self._tokens[id]
+
+
+class StreamDecoder:
+    """Decodes ids one at a time for streaming output.
+
+    A byte-level token can end halfway through a multi-byte character, so each call returns only
+    the text that is complete; the rest waits for the next token (or for `flush`). The pieces put
+    together equal `GGUFTokenizer.decode` of all the ids.
+    """
+
+    def __init__(self, tokenizer: GGUFTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, id: int) -> str:
+        """The new printable text once token `id` is appended."""
+        return self._utf8.decode(self._tokenizer.token_bytes(id))
+
+    def flush(self) -> str:
+        """Whatever is still held back (a cut-off character comes out as U+FFFD)."""
+        return self._utf8.decode(b"", final=True)
+
+
+def _build_tokenizer(tokens: list[str], merges: list[str], split: str | None) -> Tokenizer:
+    # A token not spelled in the byte alphabet is respelled into it, as transformers does, so BPE can reach it
+    spelling = _byte_spelling()
+    alphabet = set(spelling.values())
+    vocab = {
+        token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): i
+        for i, token in enumerate(tokens)
+    }
+    try:
+        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False)
+    except Exception as exc:  # the Rust side reports a merge naming an unknown token this way
+        raise InfernoError(f"GGUF tokenizer is inconsistent: {exc}") from None
+    tokenizer = Tokenizer(bpe)
+    if split is None:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _add_special_tokens(
+    tokenizer: Tokenizer, tokens: list[str], token_types: list[int], named: set[int]
+) -> None:
+    """Make control tokens, BOS/EOS/UNK/PAD and user-defined tokens match whole in text.
+
+    A control token spelled outside the byte alphabet is a mislabelled piece of text, not a
+    marker: transformers leaves it to BPE, and so do we.
+    """
+    alphabet = set(_byte_spelling().values())
+    special = [
+        AddedToken(token, normalized=False, special=True)
+        for i, (token, kind) in enumerate(zip(tokens, token_types, strict=True))
+        if (kind == CONTROL or i in named) and set(token) <= alphabet
+    ]
+    tokenizer.add_special_tokens(special)
+    user_defined = [
+        AddedToken(token, normalized=False, special=False)
+        for token, kind in zip(tokens, token_types, strict=True)
+        if kind == USER_DEFINED and set(token) <= alphabet
+    ]
+    tokenizer.add_tokens(user_defined)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; we keep the body."""
+
+    tags: ClassVar[set[str]] = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **options: Any) -> str:
+    """transformers' `tojson`: unlike jinja's own, it does not HTML-escape."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **options)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+@cache
+def _chat_environment() -> ImmutableSandboxedEnvironment:
+    """A sandbox set up like transformers' for chat templates, which are untrusted code from the file."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
