@@ -9,17 +9,21 @@ from rich.table import Table
 BARS = "▁▂▃▄▅▆▇█"
 
 
-def sparkline(values: Sequence[float], width: int = 64) -> str:
-    """One character per value (averaged into `width` buckets), scaled from 0 to the max."""
-    if not values:
-        return ""
+def bucket_means(values: Sequence[float], width: int) -> list[float]:
+    """values averaged into at most `width` consecutive buckets, so a long series fits a line."""
     buckets = min(width, len(values))
     means = []
     for b in range(buckets):
         chunk = values[b * len(values) // buckets : (b + 1) * len(values) // buckets]
         means.append(sum(chunk) / len(chunk))
-    top = max(means) or 1.0
-    return "".join(BARS[min(len(BARS) - 1, int(m / top * (len(BARS) - 1) + 0.5))] for m in means)
+    return means
+
+
+def sparkline(values: Sequence[float], width: int = 64) -> str:
+    """One bar character per bucket of values, scaled from 0 to the max."""
+    means = bucket_means(values, width)
+    top = max(means, default=0.0) or 1.0
+    return "".join(BARS[round(m / top * (len(BARS) - 1))] for m in means)
 
 
 def fmt_bytes(n: int) -> str:
@@ -57,3 +61,46 @@ def metrics_panel(m: dict) -> Table:
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+SERIES_STYLES = {"off": ("o", "red"), "basic": ("b", "yellow"), "prealloc": ("p", "green")}
+
+
+def bench_table(rows: dict[str, dict], prompt_tokens: int, new_tokens: int, window: int) -> Table:
+    title = f"KV cache modes, {prompt_tokens}-token prompt, {new_tokens} new tokens"
+    table = Table(title=title, title_justify="left")
+    table.add_column("mode")
+    for name in ("TTFT ms", "decode tok/s", f"first {window} fwd ms", f"last {window} fwd ms", "last/first",
+                 "cache"):
+        table.add_column(name, justify="right")
+    for mode, r in rows.items():
+        table.add_row(
+            mode,
+            f"{r['ttft_ms']:.1f}",
+            f"{r['decode_tok_s']:.1f}",
+            f"{r['first_forward_ms']:.2f}",
+            f"{r['last_forward_ms']:.2f}",
+            f"{r['last_over_first']:.2f}x",
+            fmt_bytes(r["cache_bytes"]),
+        )
+    return table
+
+
+def forward_chart(series: dict[str, Sequence[float]], height: int = 12, width: int = 72) -> str:
+    """Per-forward ms of each series on one shared scale (rich markup), decode step along the x axis."""
+    top = max(max(v) for v in series.values() if v) or 1.0
+    grid = [[" "] * width for _ in range(height)]
+    for name, values in series.items():
+        mark, color = SERIES_STYLES.get(name, (name[0], "white"))
+        for col, mean in enumerate(bucket_means(values, width)):
+            level = round(mean / top * (height - 1))
+            grid[height - 1 - level][col] = f"[{color}]{mark}[/]"
+    axis = [f"{top * (height - 1 - i) / (height - 1):8.1f} ms │" for i in range(height)]
+    lines = [label + "".join(row) for label, row in zip(axis, grid, strict=True)]
+    steps = max(len(v) for v in series.values())
+    legend = "   ".join(
+        f"[{SERIES_STYLES[k][1]}]{SERIES_STYLES[k][0]}[/] {k}" for k in series if k in SERIES_STYLES
+    )
+    margin = " " * 12
+    lines += [" " * 11 + "└" + "─" * width, f"{margin}decode step 1 … {steps}", margin + legend]
+    return "\n".join(lines)

@@ -127,7 +127,7 @@ def command(args, kv, max_context, chat, temperature, top_k, top_p, seed, ignore
 
     out = console()
     stream = StreamDecoder(tok)
-    on_token = (lambda _: None) if as_json else (lambda t: print(stream.push(t), end="", flush=True))
+    on_token = (lambda _: None) if as_json else (lambda t: print(stream.add(t), end="", flush=True))
     if not as_json:
         out.print(prompt, style="dim", end="")
     t0 = perf_counter()

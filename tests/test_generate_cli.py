@@ -1,0 +1,179 @@
+"""model-generate as a user meets it: output, JSON, and one-line refusals of bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+
+from inferno.cli.generate import main
+
+PROG = "model-generate"
+
+
+@pytest.fixture
+def generate(run_main):
+    return lambda *args: run_main(main, PROG, *args)
+
+
+def assert_refused(result, *fragments: str) -> None:
+    code, out, err = result
+    assert code == 2, (code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{PROG}: error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_json_has_the_documented_keys(generate, model_path):
+    code, out, err = generate("--kv", "prealloc", "--json", model_path, "Once upon a time", 5)
+    assert code == 0, err
+    report = json.loads(out)
+    assert len(report["token_ids"]) == 5
+    assert report["prompt_ids"] == [6403, 1980, 253, 655]
+    assert isinstance(report["text"], str) and report["text"]
+    m = report["metrics"]
+    assert len(m["per_forward_ms"]) == 5  # one prefill + four decodes
+    assert m["ttft_ms"] > 0 and m["decode_tok_s"] > 0
+    assert (m["cache"], m["cache_capacity"]) == ("prealloc", 9)
+    assert m["cache_bytes"] == 2 * 30 * 9 * 3 * 64 * 4
+
+
+def test_text_output_streams_the_continuation_then_metrics(generate, model_path):
+    code, out, _ = generate("--kv", "--ignore-eos", model_path, "Once upon a time", 4)
+    assert code == 0
+    assert out.startswith("Once upon a time")
+    for label in ("Metrics", "time to first token", "decode", "per forward", "every forward"):
+        assert label in out
+    assert "basic" in out  # `--kv` alone means basic
+
+
+def test_without_kv_there_is_no_cache(generate, model_path):
+    code, out, _ = generate("--json", model_path, "Hello", 3)
+    assert code == 0
+    m = json.loads(out)["metrics"]
+    assert m["cache"] is None and m["cache_bytes"] == 0
+
+
+def test_missing_file(generate, tmp_path):
+    assert_refused(generate(tmp_path / "nope.gguf", "hi"), "no such file")
+
+
+def test_directory(generate, tmp_path):
+    d = tmp_path / "dir.gguf"
+    d.mkdir()
+    assert_refused(generate(d, "hi"), "is a directory")
+
+
+def test_empty_file(generate, tmp_path):
+    f = tmp_path / "empty.gguf"
+    f.write_bytes(b"")
+    assert_refused(generate(f, "hi"), "empty")
+
+
+def test_not_a_gguf(generate, tmp_path):
+    f = tmp_path / "notes.gguf"
+    f.write_text("just some text, not a model\n")
+    assert_refused(generate(f, "hi"), "not a GGUF file")
+
+
+@pytest.mark.parametrize("keep", [100, 3_000_000])  # cut in the header; cut in the tensor data
+def test_truncated_gguf(generate, model_path, tmp_path, keep):
+    f = tmp_path / "cut.gguf"
+    with open(model_path, "rb") as src:
+        f.write_bytes(src.read(keep))
+    assert_refused(generate(f, "hi"), "truncated")
+
+
+def write_tiny_gguf(path, arch: str = "llama", tensor_type=gguf.GGMLQuantizationType.F32) -> None:
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_context_length(16)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(64)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([chr(c) for c in range(33, 33 + 64)])
+    w.add_token_types([1] * 64)
+    w.add_token_merges([])
+    shapes = {
+        "token_embd.weight": (64, 32), "output_norm.weight": (32,), "blk.0.attn_norm.weight": (32,),
+        "blk.0.attn_q.weight": (32, 32), "blk.0.attn_k.weight": (16, 32), "blk.0.attn_v.weight": (16, 32),
+        "blk.0.attn_output.weight": (32, 32), "blk.0.ffn_norm.weight": (32,),
+        "blk.0.ffn_gate.weight": (64, 32), "blk.0.ffn_up.weight": (64, 32), "blk.0.ffn_down.weight": (32, 64),
+    }
+    for name, shape in shapes.items():
+        data = np.ones(shape, dtype=np.float32)
+        if len(shape) == 2 and name.startswith("blk"):
+            w.add_tensor(name, gguf.quants.quantize(data, tensor_type), raw_dtype=tensor_type)
+        else:
+            w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_unsupported_architecture(generate, tmp_path):
+    f = tmp_path / "gemma.gguf"
+    write_tiny_gguf(f, arch="gemma3")
+    assert_refused(generate(f, "hi"), "unsupported architecture 'gemma3'")
+
+
+def test_unsupported_tensor_type(generate, tmp_path):
+    f = tmp_path / "tq.gguf"
+    write_tiny_gguf(f, tensor_type=gguf.GGMLQuantizationType.TQ2_0)
+    assert_refused(generate(f, "hi"), "TQ2_0")
+
+
+def test_prompt_longer_than_the_context(generate, model_path):
+    assert_refused(generate(model_path, "hello " * 8300, 1), "longer than the model's context of 8192")
+
+
+def test_request_larger_than_the_cache_names_the_three_numbers(generate, model_path):
+    assert_refused(generate("--kv", "prealloc", "--max-context", 6, model_path, "Once upon a time", 3),
+                   "4 tokens", "3 new tokens", "--max-context 6")
+
+
+def test_max_context_beyond_the_model(generate, model_path):
+    assert_refused(generate("--kv", "prealloc", "--max-context", 9000, model_path, "hi", 3), "9000", "8192")
+
+
+def test_without_cache_the_request_must_fit_the_context(generate, model_path):
+    assert_refused(generate(model_path, "hello " * 8000, 500), "more than the model's context of 8192")
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["hi", "0"], "at least 1"),
+        (["hi", "-3"], "at least 1"),
+        (["hi", "many"], "whole number"),
+        (["--kv", "paged", "hi"], "unknown KV cache mode 'paged'"),
+        (["--temperature", "-1", "hi"], "--temperature"),
+        (["--top-p", "1.5", "hi"], "--top-p"),
+        (["--top-k", "-2", "hi"], "--top-k"),
+        (["--threads", "0", "hi"], "--threads"),
+        (["--threads", "999", "hi"], "--threads"),
+        (["--max-context", "0", "hi"], "--max-context"),
+        (["--temperature", "warm", "hi"], "warm"),
+        (["--frobnicate", "hi"], "--frobnicate"),
+    ],
+)
+def test_bad_flags_and_counts(generate, model_path, args, fragment):
+    assert_refused(generate(*args), fragment)
+
+
+def test_a_real_process_prints_one_line_and_no_traceback(tmp_path):
+    missing = tmp_path / "missing.gguf"
+    done = subprocess.run([sys.executable, "-m", "inferno.cli.generate", str(missing), "hi"],
+                          capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr == f"{PROG}: error: {missing}: no such file\n"
+    assert "Traceback" not in done.stderr

@@ -1,0 +1,128 @@
+"""Kernels against plain numpy written from the definitions."""
+
+import math
+
+import numpy as np
+import pytest
+
+from inferno import kernels
+from inferno.config import ModelConfig
+from inferno.model import rope_frequencies
+
+rng = np.random.default_rng(0)
+
+
+def reference_rope(x: np.ndarray, positions, n_heads: int, inv_freq: np.ndarray, neox: bool) -> np.ndarray:
+    t, width = x.shape
+    d = width // n_heads
+    half = len(inv_freq)
+    out = x.astype(np.float64).reshape(t, n_heads, d)
+    angles = np.outer(positions, inv_freq.astype(np.float64))
+    cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+    a_idx = np.arange(half) if neox else 2 * np.arange(half)
+    b_idx = a_idx + half if neox else a_idx + 1
+    a, b = out[:, :, a_idx].copy(), out[:, :, b_idx].copy()
+    out[:, :, a_idx] = a * cos - b * sin
+    out[:, :, b_idx] = b * cos + a * sin
+    return out.reshape(t, width)
+
+
+def config(rope_dim: int = 16, neox: bool = False) -> ModelConfig:
+    return ModelConfig(
+        architecture="llama", n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, hidden_size=64,
+        ffn_size=128, vocab_size=10, rope_base=10000.0, rope_dim=rope_dim, rope_neox=neox, rms_eps=1e-5,
+        context_length=4096, tied_embeddings=True, qkv_bias=False, qk_norm=False, bos_id=None, eos_id=None,
+    )
+
+
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("rope_dim", [16, 8])  # 8: partial RoPE leaves the tail dimensions alone
+def test_rope_matches_the_definition(neox, rope_dim):
+    inv_freq = rope_frequencies(config(rope_dim, neox))
+    x = rng.standard_normal((40, 64), dtype=np.float32)
+    got = x.copy()
+    kernels.rope(got, 1000, 4, inv_freq, neox)
+    want = reference_rope(x, np.arange(1000, 1040), 4, inv_freq, neox)
+    np.testing.assert_allclose(got, want, atol=2e-4)
+    if rope_dim < 16:
+        tail = np.s_[:, :, rope_dim:]
+        np.testing.assert_array_equal(got.reshape(40, 4, 16)[tail], x.reshape(40, 4, 16)[tail])
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_single_row_equals_the_matching_row_of_the_sequence(neox):
+    inv_freq = rope_frequencies(config(neox=neox))
+    x = rng.standard_normal((300, 64), dtype=np.float32)
+    whole = x.copy()
+    kernels.rope(whole, 0, 4, inv_freq, neox)
+    for pos in (0, 1, 17, 299):
+        row = x[pos].copy()
+        kernels.rope_single_row(row, pos, 4, inv_freq, neox)
+        np.testing.assert_array_equal(row, whole[pos])
+
+
+def test_rmsnorm():
+    x = rng.standard_normal((5, 64), dtype=np.float32)
+    w = rng.standard_normal(64, dtype=np.float32)
+    want = x / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-5) * w
+    np.testing.assert_allclose(kernels.rmsnorm(x, w, 1e-5), want, rtol=1e-5, atol=1e-6)
+
+
+def test_rms_norm_heads_normalises_each_head_alone():
+    x = rng.standard_normal((3, 4 * 16), dtype=np.float32)
+    w = rng.standard_normal(16, dtype=np.float32)
+    got = x.copy()
+    kernels.rms_norm_heads(got, 4, w, 1e-6)
+    heads = x.reshape(3, 4, 16).astype(np.float64)
+    want = heads / np.sqrt((heads**2).mean(axis=2, keepdims=True) + 1e-6) * w
+    np.testing.assert_allclose(got, want.reshape(3, 64), rtol=1e-5, atol=1e-6)
+
+
+def test_silu_gate():
+    g = rng.standard_normal((2, 50), dtype=np.float32)
+    u = rng.standard_normal((2, 50), dtype=np.float32)
+    np.testing.assert_allclose(kernels.silu_gate(g, u), g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
+
+
+def test_concat_dim0_copies_rows_in_order():
+    a = rng.standard_normal((3, 4), dtype=np.float32)
+    b = rng.standard_normal((1, 4), dtype=np.float32)
+    out = kernels.concat_dim0(a, b)
+    np.testing.assert_array_equal(out, np.concatenate([a, b]))
+    assert not np.shares_memory(out, a)
+
+
+def reference_attention(q, k, v, n_heads, first_pos):
+    """Causal grouped-query attention in float64, one head at a time."""
+    t, width = q.shape
+    d = width // n_heads
+    group = n_heads // (k.shape[1] // d)
+    out = np.zeros((t, width))
+    for h in range(n_heads):
+        g = h // group
+        qh, kh, vh = q[:, h * d:(h + 1) * d], k[:, g * d:(g + 1) * d], v[:, g * d:(g + 1) * d]
+        scores = qh.astype(np.float64) @ kh.T / math.sqrt(d)
+        for i in range(t):
+            s = scores[i, : first_pos + i + 1]
+            p = np.exp(s - s.max())
+            out[i, h * d:(h + 1) * d] = (p / p.sum()) @ vh[: first_pos + i + 1]
+    return out
+
+
+@pytest.mark.parametrize("first_pos", [0, 13])
+def test_attention_prefill_is_causal_grouped_query_attention(first_pos):
+    t, s = 300, first_pos + 300  # longer than one query block
+    q = rng.standard_normal((t, 8 * 16), dtype=np.float32)
+    k = rng.standard_normal((s, 2 * 16), dtype=np.float32)
+    v = rng.standard_normal((s, 2 * 16), dtype=np.float32)
+    got = kernels.attention_prefill(q, k, v, 8, first_pos)
+    np.testing.assert_allclose(got, reference_attention(q, k, v, 8, first_pos), atol=1e-5)
+
+
+def test_attention_decode_is_the_last_row_of_causal_attention():
+    s = 50
+    q = rng.standard_normal((1, 8 * 16), dtype=np.float32)
+    k = rng.standard_normal((s, 2 * 16), dtype=np.float32)
+    v = rng.standard_normal((s, 2 * 16), dtype=np.float32)
+    got = kernels.attention_decode(q[0], k, v, 8)
+    np.testing.assert_allclose(got, reference_attention(q, k, v, 8, s - 1)[0], atol=1e-5)

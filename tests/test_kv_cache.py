@@ -1,0 +1,150 @@
+"""The KV cache protocol, for every kind: write, read, commit, reset, overflow, memory."""
+
+import numpy as np
+import pytest
+
+from inferno.config import ModelConfig
+from inferno.errors import InfernoError
+from inferno.kv_cache import (
+    KV_CACHE_KINDS,
+    BasicKVCache,
+    KVCacheFullError,
+    PreallocKVCache,
+    create_kv_cache,
+)
+
+LAYERS, WIDTH = 3, 8
+KINDS = list(KV_CACHE_KINDS.values())
+
+
+def rows(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, WIDTH), dtype=np.float32)
+
+
+def fill(cache, n: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Write n tokens to every layer at the end of the cache, commit, return what was written."""
+    pos = cache.length
+    written = []
+    for layer in range(LAYERS):
+        k, v = rows(n, seed + 2 * layer), rows(n, seed + 2 * layer + 1)
+        cache.write(layer, pos, k, v)
+        written.append((k, v))
+    cache.commit(n)
+    return written
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_written_rows_read_back_exactly_in_order(kind):
+    cache = kind(LAYERS, WIDTH, capacity=10)
+    first = fill(cache, 4, seed=0)
+    second = fill(cache, 1, seed=100)
+    assert cache.length == 5
+    for layer in range(LAYERS):
+        k, v = cache.read(layer)
+        assert k.shape == v.shape == (5, WIDTH)
+        np.testing.assert_array_equal(k, np.concatenate([first[layer][0], second[layer][0]]))
+        np.testing.assert_array_equal(v, np.concatenate([first[layer][1], second[layer][1]]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_uncommitted_rows_are_invisible_until_every_layer_wrote(kind):
+    cache = kind(LAYERS, WIDTH, capacity=10)
+    fill(cache, 2)
+    cache.write(0, 2, rows(1, 7), rows(1, 8))
+    assert cache.read(0)[0].shape[0] == 2  # committed view excludes the half-written token
+    assert cache.read(0, 3)[0].shape[0] == 3  # the writer itself can see it
+    with pytest.raises(ValueError, match="before every layer"):
+        cache.commit(1)
+    assert cache.length == 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_write_must_append(kind):
+    cache = kind(LAYERS, WIDTH, capacity=10)
+    fill(cache, 2)
+    with pytest.raises(ValueError, match="not at 1"):
+        cache.write(0, 1, rows(1, 0), rows(1, 1))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_write_past_capacity_is_refused_and_changes_nothing(kind):
+    cache = kind(LAYERS, WIDTH, capacity=4)
+    fill(cache, 3)
+    with pytest.raises(KVCacheFullError, match="sized for 4"):
+        cache.write(0, 3, rows(2, 0), rows(2, 1))
+    assert cache.length == 3
+    assert cache.read(0)[0].shape[0] == 3
+    fill(cache, 1)  # the last slot is still usable
+    with pytest.raises(KVCacheFullError):
+        cache.write(0, 4, rows(1, 0), rows(1, 1))
+
+
+def test_cache_full_is_a_user_facing_error():
+    assert issubclass(KVCacheFullError, InfernoError)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reset_forgets_tokens(kind):
+    cache = kind(LAYERS, WIDTH, capacity=6)
+    fill(cache, 5)
+    cache.reset()
+    assert cache.length == 0
+    assert cache.read(1)[0].shape == (0, WIDTH)
+    again = fill(cache, 2, seed=50)
+    np.testing.assert_array_equal(cache.read(2)[1], again[2][1])
+
+
+def test_prealloc_reset_keeps_its_buffers():
+    cache = PreallocKVCache(LAYERS, WIDTH, capacity=6)
+    buffers = cache.keys, cache.values
+    fill(cache, 4)
+    cache.reset()
+    assert cache.keys is buffers[0] and cache.values is buffers[1]
+    assert cache.nbytes == 2 * LAYERS * 6 * WIDTH * 4
+
+
+def test_prealloc_layout_and_memory_is_the_formula():
+    cache = PreallocKVCache(LAYERS, WIDTH, capacity=7)
+    assert cache.keys.shape == cache.values.shape == (LAYERS, 7, WIDTH)
+    assert cache.keys.dtype == np.float32
+    assert cache.nbytes == 2 * LAYERS * 7 * WIDTH * 4
+    written = fill(cache, 3)
+    np.testing.assert_array_equal(cache.keys[1, :3], written[1][0])
+    assert cache.nbytes == 2 * LAYERS * 7 * WIDTH * 4  # allocated up front, whatever the length
+
+
+def test_basic_memory_grows_with_length_by_the_formula():
+    cache = BasicKVCache(LAYERS, WIDTH, capacity=100)
+    assert cache.nbytes == 0
+    for length in (5, 6, 7):
+        fill(cache, length - cache.length)
+        assert cache.nbytes == 2 * LAYERS * length * WIDTH * 4
+
+
+def test_basic_copies_history_on_every_write():
+    cache = BasicKVCache(LAYERS, WIDTH, capacity=10)
+    fill(cache, 2)
+    before = cache.read(0)[0]
+    fill(cache, 1)
+    after = cache.read(0)[0]
+    assert not np.shares_memory(before, after)  # concat_dim0 made a new array
+    np.testing.assert_array_equal(after[:2], before)
+
+
+CONFIG = ModelConfig(
+    architecture="llama", n_layers=4, n_heads=8, n_kv_heads=2, head_dim=16, hidden_size=128, ffn_size=256,
+    vocab_size=100, rope_base=10000.0, rope_dim=16, rope_neox=False, rms_eps=1e-5, context_length=64,
+    tied_embeddings=True, qkv_bias=False, qk_norm=False, bos_id=None, eos_id=None,
+)
+
+
+@pytest.mark.parametrize("mode", ["basic", "prealloc"])
+def test_factory_builds_each_kind_for_the_model(mode):
+    cache = create_kv_cache(mode, CONFIG, 32)
+    assert cache.kind == mode
+    assert (cache.n_layers, cache.kv_width, cache.capacity) == (4, 32, 32)
+
+
+def test_factory_refuses_unknown_mode_listing_valid_ones():
+    with pytest.raises(InfernoError, match=r"'paged'.*basic, prealloc"):
+        create_kv_cache("paged", CONFIG, 32)
