@@ -13,14 +13,18 @@ from inferno.errors import InfernoError
 from inferno.gguf_file import open_gguf
 from inferno.kv_cache import BasicKVCache, KVCache, create_kv_cache
 from inferno.model import Transformer
+from inferno.snapshot import model_fingerprint
 from inferno.tokenizer import GGUFTokenizer
 
 
 class Engine:
-    def __init__(self, model: Transformer, tokenizer: GGUFTokenizer, startup: dict[str, float]):
+    def __init__(
+        self, model: Transformer, tokenizer: GGUFTokenizer, startup: dict[str, float], fingerprint: str
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.startup = startup  # load_ms, jit_ms
+        self.fingerprint = fingerprint  # which model made a cache: snapshots are checked against it
 
     @property
     def config(self) -> ModelConfig:
@@ -41,11 +45,13 @@ class Engine:
             reader = open_gguf(path)
             model = Transformer.from_gguf(reader)
             tokenizer = GGUFTokenizer.from_gguf(reader)
+            fingerprint = model_fingerprint(reader)
         t1 = perf_counter()
         with step("compiling kernels (cached on disk after the first run)"):
             warm_up(model)
         t2 = perf_counter()
-        return cls(model, tokenizer, {"load_ms": (t1 - t0) * 1000, "jit_ms": (t2 - t1) * 1000})
+        startup = {"load_ms": (t1 - t0) * 1000, "jit_ms": (t2 - t1) * 1000}
+        return cls(model, tokenizer, startup, fingerprint)
 
     def make_cache(
         self, mode: str | None, prompt_tokens: int, new_tokens: int, max_context: int | None = None

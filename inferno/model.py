@@ -110,8 +110,13 @@ class Transformer:
         """Run `tokens` after the cache's committed tokens, store their K/V; logits of the last one."""
         return self._forward_sequence(tokens, cache)
 
-    def decode(self, token: int, pos: int, cache: KVCache) -> np.ndarray:
-        """One token at position `pos`: append its K/V to the cache, attend over 0..pos; its logits."""
+    def decode(
+        self, token: int, pos: int, cache: KVCache, queries: list[np.ndarray] | None = None
+    ) -> np.ndarray:
+        """One token at position `pos`: append its K/V to the cache, attend over 0..pos; its logits.
+
+        queries: when given, receives each layer's query row after RoPE (what kv-inspect shows).
+        """
         if cache.length != pos:
             raise ValueError(f"decode at position {pos} but the cache holds {cache.length} tokens")
         c = self.config
@@ -120,6 +125,8 @@ class Transformer:
             q, k, v = self._qkv(layer, kernels.rmsnorm(x, layer.attn_norm, c.rms_eps))
             kernels.rope_single_row(q[0], pos, c.n_heads, self.inv_freq, c.rope_neox)
             kernels.rope_single_row(k[0], pos, c.n_kv_heads, self.inv_freq, c.rope_neox)
+            if queries is not None:
+                queries.append(q[0])
             cache.write(i, pos, k, v)
             keys, values = cache.read(i, pos + 1)
             attn = kernels.attention_decode(q[0], keys, values, c.n_heads)

@@ -93,8 +93,12 @@ def _kv_alone_means_basic(argv: list[str]) -> list[str]:
               help="Read the prompt from a file (PROMPT is then not given).")
 @click.option("--threads", type=int, default=None, help="Threads for the kernels (default: all cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text and tables.")
+@click.option("--save-cache", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="After the run, save the KV cache to FILE as a snapshot (without --kv: prealloc).")
+@click.option("--load-cache", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Start from a snapshot: only the prompt past its tokens is prefilled.")
 def command(args, kv, max_context, chat, temperature, top_k, top_p, seed, ignore_eos, prompt_file, threads,
-            as_json):
+            as_json, save_cache, load_cache):
     """Generate text with a GGUF model on the CPU and report per-forward timings.
 
     With a KV cache decode cost stays flat; without one every step reruns the whole sequence.
@@ -108,12 +112,17 @@ def command(args, kv, max_context, chat, temperature, top_k, top_p, seed, ignore
         raise InfernoError(f"unknown KV cache mode {kv!r} (valid: {', '.join(KV_MODES)})")
     if max_context is not None and max_context < 1:
         raise InfernoError(f"--max-context must be at least 1, got {max_context}")
+    if save_cache and load_cache and Path(save_cache).resolve() == Path(load_cache).resolve():
+        raise InfernoError("--save-cache names the --load-cache file, which is never modified: give another")
+    if (save_cache or load_cache) and kv is None:
+        kv = "prealloc"  # a snapshot is a cache's contents: there must be a cache
     from inferno.sampling import Sampler
 
     sampler = Sampler(temperature, top_k, top_p, seed)
     model_path = model_path or default_model()
 
     from inferno.engine import Engine
+    from inferno.snapshot import Snapshot
 
     err = console(stderr=True)
     engine = Engine.load(model_path, status=None if as_json else err)
@@ -121,6 +130,13 @@ def command(args, kv, max_context, chat, temperature, top_k, top_p, seed, ignore
     text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
     prompt_ids = tok.encode(text)
     cache = engine.make_cache(kv, len(prompt_ids), max_new, max_context)
+    load_cache_ms = None
+    if load_cache:
+        t = perf_counter()
+        snapshot = Snapshot.load(load_cache)
+        snapshot.check_model(engine.config, engine.fingerprint)
+        snapshot.restore(cache, prompt_ids)
+        load_cache_ms = (perf_counter() - t) * 1000
 
     from inferno.generate import generate
     from inferno.tokenizer import StreamDecoder
@@ -134,7 +150,11 @@ def command(args, kv, max_context, chat, temperature, top_k, top_p, seed, ignore
     result = generate(engine.model, prompt_ids, max_new, sampler, cache=cache,
                       is_stop=(lambda _: False) if ignore_eos else tok.is_stop, on_token=on_token)
     wall_ms = (perf_counter() - t0) * 1000
-    metrics = result.metrics.to_dict() | {"wall_ms": wall_ms, **engine.startup}
+    if save_cache:
+        run_ids = prompt_ids + result.token_ids
+        Snapshot.from_cache(cache, run_ids, engine.config, engine.fingerprint).save(save_cache)
+    metrics = result.metrics.to_dict() | {"wall_ms": wall_ms, "load_cache_ms": load_cache_ms,
+                                          **engine.startup}
     if as_json:
         json.dump({"model": str(model_path), "prompt": text, "prompt_ids": prompt_ids,
                    "token_ids": result.token_ids, "text": tok.decode(result.token_ids),

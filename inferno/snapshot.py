@@ -1,0 +1,230 @@
+"""Cache snapshots: a KV cache's committed rows and their token ids in one safetensors file.
+
+A long prompt's prefill is paid once: save the cache after a run, load it into any cache kind of the
+same model, and only the tokens past the snapshot's are prefilled. The file is what mlx-lm uses for
+prompt caches: safetensors, with the description in the JSON header's `__metadata__` (strings only).
+
+    keys       float32 [layers, length, kv_width]   K after RoPE, kv_width = kv_heads * head_dim
+    values     float32 [layers, length, kv_width]
+    token_ids  int32   [length]                     the token whose K and V each position holds
+    __metadata__: format, version, architecture, layers, kv_heads, heads, head_dim,
+                  fingerprint (sha256 of the model), data_sha256 (sha256 of the three tensors)
+
+Cached keys already carry their position's rotation, so rows are only valid at the positions they
+were computed for: a snapshot is reused as a prefix, never shifted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFReader
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from inferno.config import ModelConfig
+from inferno.errors import InfernoError
+from inferno.kv_cache import KVCache
+
+FORMAT = "inferno-kv-snapshot"
+VERSION = 1
+TENSORS = ("keys", "values", "token_ids")
+SAMPLE_BYTES = 64  # of each tensor's data in the fingerprint
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The shape of a model's KV cache."""
+
+    layers: int
+    kv_heads: int
+    heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> Geometry:
+        return cls(config.n_layers, config.n_kv_heads, config.n_heads, config.head_dim)
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def __str__(self) -> str:
+        return f"{self.layers} layers x {self.kv_heads} KV heads x head_dim {self.head_dim}"
+
+
+GEOMETRY_KEYS = tuple(field.name for field in fields(Geometry))
+
+
+def model_fingerprint(reader: GGUFReader) -> str:
+    """sha256 of what decides a cache's numbers: architecture, geometry and every tensor's name,
+    shape and type, plus the first bytes of its data.
+
+    Metadata alone cannot tell two fine-tunes of one base apart (SmolLM2-135M and its -Instruct
+    share every name, shape and type); a few bytes per tensor can, without reading the weights.
+    """
+    config = ModelConfig.from_gguf(reader)
+    digest = hashlib.sha256()
+    digest.update(json.dumps([config.architecture, asdict(Geometry.of(config))]).encode())
+    for tensor in reader.tensors:
+        shape = [int(n) for n in tensor.shape]
+        digest.update(f"\n{tensor.name} {shape} {tensor.tensor_type.name}\n".encode())
+        digest.update(tensor.data.reshape(-1).view(np.uint8)[:SAMPLE_BYTES].tobytes())
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    keys: np.ndarray  # float32 [layers, length, kv_width]
+    values: np.ndarray
+    token_ids: np.ndarray  # int32 [length]
+    architecture: str
+    geometry: Geometry
+    fingerprint: str
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of keys and values."""
+        return self.keys.nbytes + self.values.nbytes
+
+    @classmethod
+    def from_cache(
+        cls, cache: KVCache, token_ids: Sequence[int], config: ModelConfig, fingerprint: str
+    ) -> Snapshot:
+        """The cache's committed rows, read through the cache protocol so every kind works.
+
+        token_ids may run past the committed length: the last token a run samples is never fed back.
+        """
+        if cache.length == 0:
+            raise InfernoError("the KV cache is empty: there is nothing to save")
+        if len(token_ids) < cache.length:
+            raise ValueError(f"{len(token_ids)} token ids for a cache of {cache.length} tokens")
+        rows = [cache.read(layer) for layer in range(cache.n_layers)]
+        return cls(
+            keys=np.stack([k for k, _ in rows]),
+            values=np.stack([v for _, v in rows]),
+            token_ids=np.asarray(token_ids[: cache.length], dtype=np.int32),
+            architecture=config.architecture,
+            geometry=Geometry.of(config),
+            fingerprint=fingerprint,
+        )
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write to a temporary file beside `path`, then rename: a failed save leaves no half file."""
+        path = Path(path)
+        tensors = {"keys": self.keys, "values": self.values, "token_ids": self.token_ids}
+        metadata = {
+            "format": FORMAT,
+            "version": str(VERSION),
+            "architecture": self.architecture,
+            **{name: str(n) for name, n in asdict(self.geometry).items()},
+            "fingerprint": self.fingerprint,
+            "data_sha256": _data_sha256(tensors),
+        }
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            save_file(tensors, tmp, metadata=metadata)
+            os.replace(tmp, path)
+        except (OSError, SafetensorError) as exc:
+            tmp.unlink(missing_ok=True)
+            raise InfernoError(f"cannot save the KV cache to {path}: {exc}") from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Snapshot:
+        """Read and check a snapshot file; anything wrong with it is one InfernoError."""
+        path = Path(path)
+        if not path.is_file():
+            raise InfernoError(f"{path}: no such file" if not path.exists() else f"{path}: not a file")
+        try:
+            with safe_open(path, framework="numpy") as f:
+                meta = f.metadata() or {}
+                tensors = {name: f.get_tensor(name) for name in TENSORS}
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise InfernoError(f"{path}: truncated or corrupt KV cache snapshot ({exc})") from None
+        if meta.get("format") != FORMAT:
+            raise InfernoError(f"{path}: not a KV cache snapshot (no format {FORMAT!r} in its header)")
+        if meta.get("version") != str(VERSION):
+            raise InfernoError(
+                f"{path}: snapshot format version {meta.get('version')}, this inferno reads version {VERSION}"
+            )
+        try:
+            geometry = Geometry(**{name: int(meta[name]) for name in GEOMETRY_KEYS})
+            architecture, fingerprint = meta["architecture"], meta["fingerprint"]
+            checksum = meta["data_sha256"]
+        except (KeyError, ValueError) as exc:
+            raise InfernoError(f"{path}: corrupt KV cache snapshot (missing or bad {exc})") from None
+        keys, values, token_ids = (tensors[name] for name in TENSORS)
+        length = token_ids.shape[0] if token_ids.ndim == 1 else -1
+        expected = (geometry.layers, length, geometry.kv_width)
+        if (
+            length < 1
+            or token_ids.dtype != np.int32
+            or keys.dtype != np.float32
+            or values.dtype != np.float32
+            or keys.shape != expected
+            or values.shape != expected
+        ):
+            raise InfernoError(
+                f"{path}: corrupt KV cache snapshot (tensors keys {keys.shape}, values {values.shape}, "
+                f"token_ids {token_ids.shape} do not fit its {geometry})"
+            )
+        if _data_sha256(tensors) != checksum:
+            raise InfernoError(f"{path}: corrupt KV cache snapshot (its data does not match its checksum)")
+        return cls(keys, values, token_ids, architecture, geometry, fingerprint)
+
+    def check_model(self, config: ModelConfig, fingerprint: str) -> None:
+        """Refuse a model other than the one the snapshot was made with."""
+        arch, geometry = config.architecture, Geometry.of(config)
+        if (self.architecture, self.geometry) != (arch, geometry):
+            raise InfernoError(
+                f"the snapshot is from another model ({self.architecture}, {self.geometry}), "
+                f"not this one ({arch}, {geometry})"
+            )
+        if self.fingerprint != fingerprint:
+            raise InfernoError(
+                f"the snapshot is from another model: same shape, different weights "
+                f"(fingerprint {self.fingerprint[:12]}, this model's {fingerprint[:12]})"
+            )
+
+    def restore(self, cache: KVCache, prompt_ids: Sequence[int]) -> int:
+        """Put the rows of the prompt's prefix into an empty cache; returns how many tokens it now holds.
+
+        The prompt must begin with all the snapshot's tokens. When it is exactly those tokens, the
+        last one is left out: generating needs one forward for its logits.
+        """
+        if cache.length:
+            raise ValueError(f"restore into a cache that already holds {cache.length} tokens")
+        ours = self.token_ids.tolist()
+        differ = next((i for i, (a, b) in enumerate(zip(prompt_ids, ours, strict=False)) if a != b), None)
+        if differ is not None:
+            raise InfernoError(
+                f"the prompt does not begin with the snapshot's {self.length} tokens: at position {differ} "
+                f"it has token {prompt_ids[differ]}, the snapshot {ours[differ]}"
+            )
+        if len(prompt_ids) < self.length:
+            raise InfernoError(
+                f"the prompt ({len(prompt_ids)} tokens) is shorter than the snapshot's {self.length} tokens; "
+                "it must begin with all of them (a snapshot saved after generating holds the new tokens too)"
+            )
+        n = min(self.length, len(prompt_ids) - 1)
+        for layer in range(cache.n_layers):
+            cache.write(layer, 0, self.keys[layer, :n], self.values[layer, :n])
+        cache.commit(n)
+        return n
+
+
+def _data_sha256(tensors: dict[str, np.ndarray]) -> str:
+    digest = hashlib.sha256()
+    for name in TENSORS:
+        digest.update(np.ascontiguousarray(tensors[name]).data)
+    return digest.hexdigest()
