@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFReader
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
+from safetensors.numpy import save
 
 from inferno.config import ModelConfig
 from inferno.errors import InfernoError
@@ -131,13 +131,14 @@ class Snapshot:
             "fingerprint": self.fingerprint,
             "data_sha256": _data_sha256(tensors),
         }
+        data = save(tensors, metadata=metadata)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
-            save_file(tensors, tmp, metadata=metadata)
+            tmp.write_bytes(data)
             os.replace(tmp, path)
-        except (OSError, SafetensorError) as exc:
+        except OSError as exc:
             tmp.unlink(missing_ok=True)
-            raise InfernoError(f"cannot save the KV cache to {path}: {exc}") from None
+            raise InfernoError(f"cannot save the KV cache to {path}: {exc.strerror or exc}") from None
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Snapshot:
