@@ -128,6 +128,7 @@ def test_a_snapshot_is_inspected_without_the_model(run_main, engine, filled, tmp
         (("--max-context", "2", PROMPT), ("more than --max-context 2",)),
         (("",), ("prompt is empty",)),
         ((), ("missing PROMPT",)),
+        (("missing.safetensors",), ("missing.safetensors: no such file",)),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(kv_inspect, args, fragments):

@@ -36,7 +36,9 @@ LABEL_CHARS = 10  # of a token's text in a column header
 
 
 def is_snapshot_file(arg: str) -> bool:
-    """A file that is not a GGUF: kv-inspect reads it as a snapshot (and says so if it is not one)."""
+    """A .safetensors name, or a file that is not a GGUF: read as a snapshot (which says if it is not one)."""
+    if arg.endswith(".safetensors"):
+        return True
     if arg.endswith(".gguf") or not os.path.isfile(arg):
         return False
     with open(arg, "rb") as f:
