@@ -1,0 +1,555 @@
+"""Weight matrices kept in their GGUF block type, with Numba kernels that compute straight from the blocks.
+
+Layout. At load time a matrix's blocks are regrouped into tiles of TILE_ROWS rows: uint8[tile, block,
+byte, lane], i.e. byte p of block b of row `tile * TILE_ROWS + lane` sits at [tile, b, p, lane]. The
+bytes themselves are unchanged, so memory stays the size of the file's tensor. The same byte of
+TILE_ROWS consecutive rows is contiguous, so the kernels loop over lanes (rows) innermost and LLVM turns
+that into plain SIMD loads with no per-block horizontal sums.
+
+Arithmetic. Dequantization repeats gguf-py's float32 operations in the same order (no fast-math, so no
+fused multiply-adds) and is bit-identical to `gguf.quants.dequantize`. The matrix-vector kernels use
+float32 activations and regroup the sums: for Q4_1, dot(x, d*q + m) over a block is d*sum(x*q) +
+m*sum(x), with the block sums of x computed once per call.
+
+Compilation. Kernels are built per GGML type on first use (see `_kernels`) and cached on disk by Numba.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import gguf
+import numba
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
+
+from inferno.errors import InfernoError
+
+TILE_ROWS = 32  # lanes per tile: full SIMD loops, yet enough tiles to share small matrices between threads
+MATMUL_CHUNK_BYTES = 8 << 20  # float32 scratch holding one chunk of dequantized rows in matmul
+MATMUL_MIN_ROWS = 8  # below this many rows of x, matvec per row beats dequantizing the weight for BLAS
+LOAD_CHUNK_BYTES = 4 << 20  # file bytes read per step while repacking
+
+SUPPORTED = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0,
+             QType.Q5_1, QType.Q4_K, QType.Q5_K, QType.Q6_K)
+# Types whose matvec computes from the blocks; the others dequantize a tile at a time and take dots.
+FUSED = (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q6_K)
+
+# Plain ints, which Numba freezes as constants.
+F32, F16, BF16 = int(QType.F32), int(QType.F16), int(QType.BF16)
+Q8_0, Q4_0, Q4_1 = int(QType.Q8_0), int(QType.Q4_0), int(QType.Q4_1)
+Q5_0, Q5_1 = int(QType.Q5_0), int(QType.Q5_1)
+Q4_K, Q5_K, Q6_K = int(QType.Q4_K), int(QType.Q5_K), int(QType.Q6_K)
+
+_matmul_scratch = np.empty(0, np.float32)  # grown on demand, shared by all matrices
+
+
+class QuantizedMatrix:
+    """A 2-D weight [rows=out_features, cols=in_features] kept in its GGUF block type."""
+
+    def __init__(self, name: str, qtype: QType, rows: int, cols: int, tiles: np.ndarray):
+        self.name, self.qtype, self.rows, self.cols = name, qtype, rows, cols
+        self.nbytes = tiles.nbytes
+        self._tiles = tiles
+        self._kernels = _kernels(int(qtype))
+
+    @classmethod
+    def from_tensor(cls, tensor: gguf.ReaderTensor) -> QuantizedMatrix:
+        qtype = _check_supported(tensor)
+        dims = [int(n) for n in tensor.shape]
+        if len(dims) != 2:
+            raise InfernoError(f"tensor {tensor.name}: expected a 2-D weight, got shape {dims}")
+        cols, rows = dims  # GGML order: ne0, the contiguous row length, first
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        if cols % block:
+            raise InfernoError(f"tensor {tensor.name}: row length {cols} is not a multiple of the "
+                               f"{qtype.name} block size {block}")
+        return cls(tensor.name, qtype, rows, cols, _load_tiles(tensor, rows, cols // block, type_size))
+
+    def __repr__(self) -> str:
+        return f"QuantizedMatrix({self.name!r}, {self.qtype.name}, rows={self.rows}, cols={self.cols})"
+
+    def matvec(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """W @ x: float32[cols] -> float32[rows]."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.shape != (self.cols,):
+            raise ValueError(f"{self.name}: matvec needs x of shape ({self.cols},), got {x.shape}")
+        if out is None:
+            out = np.empty(self.rows, np.float32)
+        elif out.shape != (self.rows,) or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise ValueError(f"{self.name}: out must be contiguous float32 of shape ({self.rows},)")
+        self._kernels.matvec(self._tiles, x, out, numba.get_num_threads())
+        return out
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        """x @ W.T: float32[n, cols] -> float32[n, rows], for prefill. Dequantizes a chunk of rows at a
+        time into a shared scratch and hands it to BLAS."""
+        global _matmul_scratch
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != self.cols:
+            raise ValueError(f"{self.name}: matmul needs x of shape (n, {self.cols}), got {x.shape}")
+        out = np.empty((x.shape[0], self.rows), np.float32)
+        if x.shape[0] < MATMUL_MIN_ROWS:
+            for i, v in enumerate(x):
+                self.matvec(v, out[i])
+            return out
+        step = min(self.rows, max(TILE_ROWS, MATMUL_CHUNK_BYTES // (4 * self.cols) // TILE_ROWS * TILE_ROWS))
+        if _matmul_scratch.size < step * self.cols:
+            _matmul_scratch = np.empty(step * self.cols, np.float32)
+        for first in range(0, self.rows, step):
+            last = min(first + step, self.rows)
+            w = _matmul_scratch[: (last - first) * self.cols].reshape(last - first, self.cols)
+            self._kernels.dequantize_rows(self._tiles, np.arange(first, last), w)
+            np.matmul(x, w.T, out=out[:, first:last])
+        return out
+
+    def dequantize(self) -> np.ndarray:
+        """float32[rows, cols], bit-identical to gguf.quants.dequantize."""
+        return self.rows_at(np.arange(self.rows))
+
+    def row(self, i: int) -> np.ndarray:
+        """float32[cols]: row i dequantized (an embedding lookup)."""
+        return self.rows_at(np.array([i]))[0]
+
+    def rows_at(self, ids: np.ndarray) -> np.ndarray:
+        """float32[len(ids), cols]: the rows `ids` dequantized."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.rows):
+            raise IndexError(f"{self.name}: row ids must be in [0, {self.rows})")
+        out = np.empty((ids.size, self.cols), np.float32)
+        self._kernels.dequantize_rows(self._tiles, ids, out)
+        return out
+
+
+def tensor_to_float32(tensor: gguf.ReaderTensor) -> np.ndarray:
+    """A small tensor (norm weight, bias) as an owned float32 array in numpy (reversed GGML) order."""
+    qtype = _check_supported(tensor)
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    return np.array(gguf.quants.dequantize(tensor.data, qtype), dtype=np.float32).reshape(shape)
+
+
+def _check_supported(tensor: gguf.ReaderTensor) -> QType:
+    try:
+        qtype = QType(tensor.tensor_type)
+    except ValueError:
+        qtype = None
+    if qtype not in SUPPORTED:
+        kind = qtype.name if qtype is not None else f"#{int(tensor.tensor_type)}"
+        raise InfernoError(f"tensor {tensor.name}: type {kind} is not supported "
+                           f"(supported: {', '.join(t.name for t in SUPPORTED)})")
+    return qtype
+
+
+def _load_tiles(tensor: gguf.ReaderTensor, rows: int, nblocks: int, type_size: int) -> np.ndarray:
+    """The tensor's blocks as uint8[tiles, nblocks, type_size, TILE_ROWS], zero rows padding the last tile.
+
+    Read from the file a few tiles at a time rather than through the reader's memory map: pages touched
+    in the map would stay resident next to the repacked copy, doubling the model's memory."""
+    row_bytes = nblocks * type_size
+    ntiles = -(-rows // TILE_ROWS)
+    tiles = np.empty((ntiles, nblocks, type_size, TILE_ROWS), np.uint8)
+    step = max(1, LOAD_CHUNK_BYTES // (TILE_ROWS * row_bytes))  # tiles per read
+    with open(tensor.data.filename, "rb") as f:
+        f.seek(int(tensor.data_offset))
+        for t in range(0, ntiles, step):
+            n = min(step, ntiles - t)
+            want = min(n * TILE_ROWS, rows - t * TILE_ROWS) * row_bytes
+            chunk = np.zeros(n * TILE_ROWS * row_bytes, np.uint8)
+            got = f.readinto(memoryview(chunk)[:want])
+            if got != want:
+                raise InfernoError(f"tensor {tensor.name}: file ends inside the tensor's data")
+            tiles[t : t + n] = chunk.reshape(n, TILE_ROWS, nblocks, type_size).transpose(0, 2, 3, 1)
+    return tiles
+
+
+# ---------------------------------------------------------------------------------------------------
+# Scalar helpers. `w` is one tile: uint8[block, byte, lane].
+
+
+@intrinsic
+def _half_bits_to_float(typingctx, bits):
+    """IEEE half -> float32 with the CPU's conversion instruction. Exact for every finite value and inf;
+    only a signalling NaN's payload may differ from numpy (it comes back quieted)."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def _bits_to_float(typingctx, bits):
+    sig = types.float32(types.uint32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+@njit(cache=True)
+def _u16(w, b, p, r):
+    return np.uint16(w[b, p, r] | (np.uint32(w[b, p + 1, r]) << 8))
+
+
+@njit(cache=True)
+def _f16(w, b, p, r):
+    """The little-endian half at bytes p, p+1 of block b, lane r."""
+    return _half_bits_to_float(_u16(w, b, p, r))
+
+
+@njit(cache=True)
+def _lo(v):
+    return np.int32(v & 15)
+
+
+@njit(cache=True)
+def _hi(v):
+    return np.int32(v >> 4)
+
+
+@njit(cache=True)
+def _zero(a):
+    # an explicit loop: slice assignment (a[:] = 0) makes Numba compile extra helpers, slowing cold start
+    for i in range(a.size):
+        a[i] = 0
+
+
+@njit(cache=True)
+def _scale_min_k4(w, b, j, r):
+    """6-bit scale and min of sub-block j of a Q4_K/Q5_K block (12 packed bytes from byte 4)."""
+    if j < 4:
+        return np.float32(w[b, 4 + j, r] & 63), np.float32(w[b, 8 + j, r] & 63)
+    sc = (w[b, 8 + j, r] & 15) | ((w[b, j, r] >> 6) << 4)
+    m = (w[b, 8 + j, r] >> 4) | ((w[b, 4 + j, r] >> 6) << 4)
+    return np.float32(sc), np.float32(m)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Exact dequantization of lanes [r0, r1) of one tile, transposed: out[col, lane - r0]. Lanes are the
+# innermost loop so whole tiles vectorize. Same float32 operations, in the same order, as gguf/quants.py.
+
+
+@njit(cache=True)
+def _deq_f32(w, r0, r1, out):
+    for c in range(w.shape[0]):
+        for r in range(r0, r1):
+            out[c, r - r0] = _bits_to_float(np.uint32(_u16(w, c, 0, r)) | (np.uint32(_u16(w, c, 2, r)) << 16))
+
+
+@njit(cache=True)
+def _deq_f16(w, r0, r1, out):
+    for c in range(w.shape[0]):
+        for r in range(r0, r1):
+            out[c, r - r0] = _f16(w, c, 0, r)
+
+
+@njit(cache=True)
+def _deq_bf16(w, r0, r1, out):
+    for c in range(w.shape[0]):
+        for r in range(r0, r1):
+            out[c, r - r0] = _bits_to_float(np.uint32(_u16(w, c, 0, r)) << 16)
+
+
+@njit(cache=True)
+def _deq_q8_0(w, r0, r1, out):
+    for b in range(w.shape[0]):
+        for j in range(32):
+            for r in range(r0, r1):
+                out[32 * b + j, r - r0] = np.float32(np.int8(w[b, 2 + j, r])) * _f16(w, b, 0, r)
+
+
+@njit(cache=True)
+def _deq_q4_0(w, r0, r1, out):
+    for b in range(w.shape[0]):
+        for j in range(16):
+            for r in range(r0, r1):
+                d, v = _f16(w, b, 0, r), w[b, 2 + j, r]
+                out[32 * b + j, r - r0] = d * np.float32(_lo(v) - 8)
+                out[32 * b + 16 + j, r - r0] = d * np.float32(_hi(v) - 8)
+
+
+@njit(cache=True)
+def _deq_q4_1(w, r0, r1, out):
+    for b in range(w.shape[0]):
+        for j in range(16):
+            for r in range(r0, r1):
+                d, m, v = _f16(w, b, 0, r), _f16(w, b, 2, r), w[b, 4 + j, r]
+                out[32 * b + j, r - r0] = d * np.float32(_lo(v)) + m
+                out[32 * b + 16 + j, r - r0] = d * np.float32(_hi(v)) + m
+
+
+@njit(cache=True)
+def _q5(w, b, qh, qs, j, r):
+    """5-bit value j of a Q5_0/Q5_1 block: 4 low bits from the nibbles at byte qs, the 5th from the
+    little-endian 32-bit mask at byte qh."""
+    v = w[b, qs + (j & 15), r]
+    low = _lo(v) if j < 16 else _hi(v)
+    return low | np.int32(((w[b, qh + (j >> 3), r] >> (j & 7)) & 1) << 4)
+
+
+@njit(cache=True)
+def _deq_q5_0(w, r0, r1, out):
+    for b in range(w.shape[0]):
+        for j in range(32):
+            for r in range(r0, r1):
+                out[32 * b + j, r - r0] = _f16(w, b, 0, r) * np.float32(_q5(w, b, 2, 6, j, r) - 16)
+
+
+@njit(cache=True)
+def _deq_q5_1(w, r0, r1, out):
+    for b in range(w.shape[0]):
+        for j in range(32):
+            for r in range(r0, r1):
+                d, m = _f16(w, b, 0, r), _f16(w, b, 2, r)
+                out[32 * b + j, r - r0] = d * np.float32(_q5(w, b, 4, 8, j, r)) + m
+
+
+@njit(cache=True)
+def _deq_k4(w, r0, r1, out, qs, qh):
+    """Q4_K (qh < 0) and Q5_K: sub-block j of 32 is dl*q - ml. The 4 low bits of sub-blocks 2c, 2c+1
+    are the low/high nibbles of bytes qs+32c..+31; Q5_K's 5th bit of element i of sub-block j is bit j
+    of byte qh+i."""
+    for b in range(w.shape[0]):
+        for j in range(8):
+            for i in range(32):
+                for r in range(r0, r1):
+                    sc, m = _scale_min_k4(w, b, j, r)
+                    dl, ml = _f16(w, b, 0, r) * sc, _f16(w, b, 2, r) * m
+                    v = w[b, qs + 32 * (j >> 1) + i, r]
+                    q = _lo(v) if j % 2 == 0 else _hi(v)
+                    if qh >= 0:
+                        q |= np.int32(((w[b, qh + i, r] >> j) & 1) << 4)
+                    out[256 * b + 32 * j + i, r - r0] = dl * np.float32(q) - ml
+
+
+@njit(cache=True)
+def _deq_q4_k(w, r0, r1, out):
+    _deq_k4(w, r0, r1, out, 16, -1)
+
+
+@njit(cache=True)
+def _deq_q5_k(w, r0, r1, out):
+    _deq_k4(w, r0, r1, out, 48, 16)
+
+
+@njit(cache=True)
+def _q6(w, b, h, s, i, r):
+    """Q6_K value (q - 32) of element 128h + 32s + i: low 4 bits from ql (bytes 0..127), high 2 bits
+    from qh (bytes 128..191)."""
+    v = w[b, 64 * h + 32 * (s & 1) + i, r]
+    low = _lo(v) if s < 2 else _hi(v)
+    return (low | np.int32(((w[b, 128 + 32 * h + i, r] >> (2 * s)) & 3) << 4)) - 32
+
+
+@njit(cache=True)
+def _deq_q6_k(w, r0, r1, out):
+    for b in range(w.shape[0]):
+        for h in range(2):
+            for s in range(4):
+                for i in range(32):
+                    sub = 8 * h + 2 * s + i // 16
+                    for r in range(r0, r1):
+                        dl = _f16(w, b, 208, r) * np.float32(np.int8(w[b, 192 + sub, r]))
+                        out[256 * b + 128 * h + 32 * s + i, r - r0] = dl * np.float32(_q6(w, b, h, s, i, r))
+
+
+_DEQUANTIZE = {F32: _deq_f32, F16: _deq_f16, BF16: _deq_bf16, Q8_0: _deq_q8_0, Q4_0: _deq_q4_0,
+               Q4_1: _deq_q4_1, Q5_0: _deq_q5_0, Q5_1: _deq_q5_1, Q4_K: _deq_q4_k, Q5_K: _deq_q5_k,
+               Q6_K: _deq_q6_k}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fused tile dot products: acc[lane] += (row lane of the tile) . x. `xs` holds the sums of x over each
+# 32-element block; `s` is float32[4, lanes] scratch for per-block partial sums. The innermost loops
+# run over lanes so they vectorize.
+
+
+@njit(cache=True, fastmath=True)
+def _dot_q8_0(w, x, xs, acc, s):
+    part = s[0]
+    for b in range(w.shape[0]):
+        _zero(part)
+        for j in range(16):
+            xl, xh = x[32 * b + j], x[32 * b + 16 + j]
+            ql, qh = w[b, 2 + j], w[b, 18 + j]
+            for r in range(acc.size):
+                part[r] += xl * np.float32(np.int8(ql[r])) + xh * np.float32(np.int8(qh[r]))
+        for r in range(acc.size):
+            acc[r] += _f16(w, b, 0, r) * part[r]
+
+
+@njit(cache=True, fastmath=True)
+def _nibble_sums(w, x, b, first, part):
+    """part[lane] = sum over the 16 bytes from `first` of x_lo*low + x_hi*high nibble (32 elements)."""
+    _zero(part)
+    for j in range(16):
+        xl, xh = x[32 * b + j], x[32 * b + 16 + j]
+        q = w[b, first + j]
+        for r in range(part.size):
+            part[r] += xl * np.float32(_lo(q[r])) + xh * np.float32(_hi(q[r]))
+
+
+@njit(cache=True, fastmath=True)
+def _dot_q4_0(w, x, xs, acc, s):
+    part = s[0]
+    for b in range(w.shape[0]):
+        _nibble_sums(w, x, b, 2, part)
+        for r in range(acc.size):
+            acc[r] += _f16(w, b, 0, r) * (part[r] - 8 * xs[b])
+
+
+@njit(cache=True, fastmath=True)
+def _dot_q4_1(w, x, xs, acc, s):
+    part = s[0]
+    for b in range(w.shape[0]):
+        _nibble_sums(w, x, b, 4, part)
+        for r in range(acc.size):
+            acc[r] += _f16(w, b, 0, r) * part[r] + _f16(w, b, 2, r) * xs[b]
+
+
+@njit(cache=True, fastmath=True)
+def _dot_q4_k(w, x, xs, acc, s):
+    lo, hi = s[0], s[1]
+    for b in range(w.shape[0]):
+        for c in range(4):  # sub-blocks 2c (low nibbles) and 2c+1 (high nibbles) share 32 bytes
+            _zero(lo)
+            _zero(hi)
+            base = 256 * b + 64 * c
+            for i in range(32):
+                xl, xh = x[base + i], x[base + 32 + i]
+                q = w[b, 16 + 32 * c + i]
+                for r in range(acc.size):
+                    lo[r] += xl * np.float32(_lo(q[r]))
+                    hi[r] += xh * np.float32(_hi(q[r]))
+            for r in range(acc.size):
+                sc0, m0 = _scale_min_k4(w, b, 2 * c, r)
+                sc1, m1 = _scale_min_k4(w, b, 2 * c + 1, r)
+                mins = m0 * xs[8 * b + 2 * c] + m1 * xs[8 * b + 2 * c + 1]
+                acc[r] += _f16(w, b, 0, r) * (sc0 * lo[r] + sc1 * hi[r]) - _f16(w, b, 2, r) * mins
+
+
+@njit(cache=True, fastmath=True)
+def _dot_q6_k(w, x, xs, acc, s):
+    for b in range(w.shape[0]):
+        for h in range(2):
+            for g in range(2):  # the two 16-element halves of each 32-run have their own scales
+                for k in range(4):
+                    _zero(s[k])
+                for i in range(16 * g, 16 * g + 16):
+                    e = 256 * b + 128 * h + i
+                    x0, x1, x2, x3 = x[e], x[e + 32], x[e + 64], x[e + 96]
+                    qa, qb, qh = w[b, 64 * h + i], w[b, 64 * h + 32 + i], w[b, 128 + 32 * h + i]
+                    for r in range(acc.size):
+                        a, c, hb = qa[r], qb[r], qh[r]
+                        s[0, r] += x0 * np.float32((_lo(a) | np.int32((hb & 3) << 4)) - 32)
+                        s[1, r] += x1 * np.float32((_lo(c) | np.int32(((hb >> 2) & 3) << 4)) - 32)
+                        s[2, r] += x2 * np.float32((_hi(a) | np.int32(((hb >> 4) & 3) << 4)) - 32)
+                        s[3, r] += x3 * np.float32((_hi(c) | np.int32((hb >> 6) << 4)) - 32)
+                for r in range(acc.size):
+                    total = np.float32(0)
+                    for k in range(4):
+                        total += np.float32(np.int8(w[b, 192 + 8 * h + 2 * k + g, r])) * s[k, r]
+                    acc[r] += _f16(w, b, 208, r) * total
+
+
+_DOT = {Q8_0: _dot_q8_0, Q4_0: _dot_q4_0, Q4_1: _dot_q4_1, Q4_K: _dot_q4_k, Q6_K: _dot_q6_k}
+assert set(_DOT) == {int(t) for t in FUSED}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dispatch. The drivers below are built per type by `_kernels(kind)`, with `kind` a closure constant:
+# Numba sees it as a literal, so these typing-time dispatchers pick one type's functions and only those
+# get compiled. (Closures over plain ints are cached like module functions; closures over dispatchers
+# would not be, hence the indirection.)
+
+
+def _dequantize_tile(kind, w, r0, r1, out):
+    """Dequantize lanes [r0, r1) of tile w into out[col, lane - r0] (dispatch stub, see the overload)."""
+    raise NotImplementedError
+
+
+@overload(_dequantize_tile, prefer_literal=True)
+def _dequantize_tile_impl(kind, w, r0, r1, out):
+    deq = _DEQUANTIZE[kind.literal_value]
+    return lambda kind, w, r0, r1, out: deq(w, r0, r1, out)
+
+
+def _tile_dot(kind, w, x, xs, acc, s, scratch):
+    """acc = tile w @ x (dispatch stub, resolved by the overload below)."""
+    raise NotImplementedError
+
+
+@overload(_tile_dot, prefer_literal=True)
+def _tile_dot_impl(kind, w, x, xs, acc, s, scratch):
+    if kind.literal_value in _DOT:
+        dot = _DOT[kind.literal_value]
+
+        def fused(kind, w, x, xs, acc, s, scratch):
+            _zero(acc)
+            dot(w, x, xs, acc, s)
+
+        return fused
+    deq = _DEQUANTIZE[kind.literal_value]
+
+    def dequantized(kind, w, x, xs, acc, s, scratch):
+        deq(w, 0, acc.size, scratch)
+        _zero(acc)
+        for c in range(x.size):
+            for r in range(acc.size):
+                acc[r] += scratch[c, r] * x[c]
+
+    return dequantized
+
+
+class _Kernels(NamedTuple):
+    matvec: Callable
+    dequantize_rows: Callable
+
+
+@functools.cache
+def _kernels(kind: int) -> _Kernels:
+    fused = kind in _DOT
+
+    @njit(cache=True, parallel=True, fastmath=True)
+    def matvec(tiles, x, out, nthreads):
+        ntiles, lanes = tiles.shape[0], tiles.shape[3]
+        nblocks = x.size // 32  # the float types' rows need not be whole blocks; they ignore xs
+        xs = np.zeros(nblocks, np.float32)
+        for b in range(nblocks):
+            for j in range(32):
+                xs[b] += x[32 * b + j]
+        nchunks = min(ntiles, nthreads)
+        for c in prange(nchunks):  # one run of tiles per thread, so scratch is allocated once per thread
+            acc = np.empty(lanes, np.float32)
+            s = np.empty((4, lanes), np.float32)
+            scratch = np.empty((0 if fused else x.size, lanes), np.float32)
+            for t in range(c * ntiles // nchunks, (c + 1) * ntiles // nchunks):
+                _tile_dot(kind, tiles[t], x, xs, acc, s, scratch)
+                for r in range(min(lanes, out.size - t * lanes)):
+                    out[t * lanes + r] = acc[r]
+
+    @njit(cache=True)
+    def dequantize_rows(tiles, ids, out):
+        """out[k] = row ids[k]; runs of consecutive ids within a tile are done together."""
+        lanes = tiles.shape[3]
+        scratch = np.empty((out.shape[1], lanes), np.float32)
+        k = 0
+        while k < ids.size:
+            t, r = ids[k] // lanes, ids[k] % lanes
+            n = 1
+            while k + n < ids.size and ids[k + n] == ids[k] + n and r + n < lanes:
+                n += 1
+            _dequantize_tile(kind, tiles[t], r, r + n, scratch)
+            for i in range(n):
+                for c in range(out.shape[1]):
+                    out[k + i, c] = scratch[c, i]
+            k += n
+
+    return _Kernels(matvec, dequantize_rows)

@@ -1,0 +1,173 @@
+"""inferno.quant against gguf-py: exact dequantization, and matvec/matmul against a float64 reference.
+
+Every weight goes through a real GGUF file (gguf.GGUFWriter, then gguf.GGUFReader), so from_tensor is
+tested on the reader's tensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numba
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from inferno.errors import InfernoError
+from inferno.quant import SUPPORTED, TILE_ROWS, QuantizedMatrix, tensor_to_float32
+
+MODEL = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+def make_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8[rows, bytes per row] of realistic `qtype` data."""
+    if qtype not in K_QUANTS:  # gguf-py quantizes these itself
+        data = rng.standard_normal((rows, cols)).astype(np.float32)
+        return np.ascontiguousarray(gguf.quants.quantize(data, qtype)).view(np.uint8).reshape(rows, -1)
+    # gguf-py has no K-quant quantizer: random bytes, with finite f16 super-block scales (d, and dmin
+    # for Q4_K/Q5_K) in the range real files use.
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows, cols // block, type_size), dtype=np.uint8)
+    for offset in (208,) if qtype == Q.Q6_K else (0, 2):
+        scale = (rng.uniform(1e-4, 2e-2, blocks.shape[:2]) * rng.choice([-1, 1], blocks.shape[:2]))
+        blocks[..., offset : offset + 2] = scale.astype(np.float16)[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def write_gguf(path: Path, tensors: dict[str, tuple[Q, np.ndarray]]) -> dict[str, gguf.ReaderTensor]:
+    """Write {name: (qtype, raw uint8 blocks or a float array)} to a GGUF file and read it back."""
+    writer = gguf.GGUFWriter(path, arch="llama")
+    for name, (qtype, data) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=None if data.dtype != np.uint8 else qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+
+def reference(tensor: gguf.ReaderTensor) -> np.ndarray:
+    rows = int(tensor.shape[1])
+    return gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(rows, -1)
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint32)  # compare floats bit for bit (tells -0.0 from 0.0, and NaN payloads apart)
+
+
+def assert_close(got: np.ndarray, w: np.ndarray, x: np.ndarray) -> None:
+    """got = x @ w.T (x: [n, cols] or [cols]) within float32 rounding. The bound scales with
+    sum(|w| |x|), so one wrong weight or a dropped block (~1/cols of that sum) fails it."""
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
+    assert got.dtype == np.float32 and got.shape == exact.shape
+    assert np.all(np.abs(got - exact) <= 1e-5 * scale + 1e-30)
+
+
+# rows not a multiple of TILE_ROWS, so the last tile is padded; 512 columns hold 2 K-quant super-blocks
+@pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [2 * TILE_ROWS + 6, 3])
+def test_matrix_matches_gguf(tmp_path, qtype, rows):
+    rng = np.random.default_rng(int(qtype) * 100 + rows)
+    cols = 512
+    tensor = write_gguf(tmp_path / "w.gguf", {"w": (qtype, make_blocks(qtype, rows, cols, rng))})["w"]
+    m = QuantizedMatrix.from_tensor(tensor)
+    assert (m.rows, m.cols, m.qtype, m.name) == (rows, cols, qtype, "w")
+    assert tensor.n_bytes <= m.nbytes <= tensor.n_bytes * (1 + TILE_ROWS / rows)
+
+    ref = reference(tensor)
+    assert np.isfinite(ref).all()
+    w = m.dequantize()
+    assert w.dtype == np.float32 and w.shape == (rows, cols)
+    assert np.array_equal(bits(w), bits(ref))
+    assert np.array_equal(bits(m.row(rows - 1)), bits(ref[rows - 1]))
+    ids = np.array([rows - 1, 0, 1, 2, 0, rows - 1])  # unordered, repeated, and a run of neighbours
+    assert np.array_equal(bits(m.rows_at(ids)), bits(ref[ids]))
+
+    x = rng.standard_normal(cols).astype(np.float32)
+    assert_close(m.matvec(x), ref, x)
+    out = np.full(rows, np.nan, np.float32)
+    assert m.matvec(x, out) is out
+    assert_close(out, ref, x)
+    for n in (2, 20):  # short prefills go through matvec, longer ones through BLAS
+        xs = rng.standard_normal((n, cols)).astype(np.float32)
+        assert_close(m.matmul(xs), ref, xs)
+
+
+def test_matvec_is_the_same_on_any_thread_count(tmp_path):
+    rng = np.random.default_rng(1)
+    blocks = make_blocks(Q.Q4_1, 8 * TILE_ROWS, 256, rng)
+    tensor = write_gguf(tmp_path / "w.gguf", {"w": (Q.Q4_1, blocks)})["w"]
+    m = QuantizedMatrix.from_tensor(tensor)
+    x = rng.standard_normal(256).astype(np.float32)
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = m.matvec(x)
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        assert np.array_equal(bits(m.matvec(x)), bits(one))
+    finally:
+        numba.set_num_threads(before)
+
+
+def test_tensor_to_float32(tmp_path):
+    rng = np.random.default_rng(2)
+    norm = rng.standard_normal(64).astype(np.float32)
+    bias = rng.standard_normal(64).astype(np.float16)
+    tensors = write_gguf(tmp_path / "v.gguf", {"norm": (Q.F32, norm), "bias": (Q.F16, bias)})
+    got = tensor_to_float32(tensors["norm"])
+    assert got.dtype == np.float32 and np.array_equal(got, norm) and got.flags.writeable
+    assert np.array_equal(tensor_to_float32(tensors["bias"]), bias.astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.IQ4_NL])
+def test_unsupported_type_names_type_and_tensor(tmp_path, qtype):
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.zeros((4, 256 // block * type_size), np.uint8)
+    tensor = write_gguf(tmp_path / "u.gguf", {"blk.0.odd.weight": (qtype, raw)})["blk.0.odd.weight"]
+    for load in (QuantizedMatrix.from_tensor, tensor_to_float32):
+        with pytest.raises(InfernoError, match=rf"blk\.0\.odd\.weight.*{qtype.name}"):
+            load(tensor)
+
+
+def test_one_dimensional_tensor_is_not_a_matrix(tmp_path):
+    tensor = write_gguf(tmp_path / "v.gguf", {"norm": (Q.F32, np.ones(32, np.float32))})["norm"]
+    with pytest.raises(InfernoError, match=r"norm.*2-D"):
+        QuantizedMatrix.from_tensor(tensor)
+
+
+def test_bad_shapes_are_rejected(tmp_path):
+    rng = np.random.default_rng(3)
+    tensor = write_gguf(tmp_path / "w.gguf", {"w": (Q.Q8_0, make_blocks(Q.Q8_0, 4, 64, rng))})["w"]
+    m = QuantizedMatrix.from_tensor(tensor)
+    with pytest.raises(ValueError):
+        m.matvec(np.ones(63, np.float32))
+    with pytest.raises(ValueError):
+        m.matvec(np.ones(64, np.float32), out=np.empty(4, np.float64))
+    with pytest.raises(IndexError):
+        m.rows_at(np.array([4]))
+
+
+@pytest.fixture(scope="module")
+def model():
+    if not MODEL.exists():
+        pytest.skip(f"{MODEL.name} not downloaded (make model)")
+    return {t.name: t for t in gguf.GGUFReader(MODEL).tensors}
+
+
+REAL_WEIGHTS = [("blk.3.ffn_down.weight", Q.Q4_1), ("token_embd.weight", Q.Q8_0)]
+
+
+@pytest.mark.parametrize(("name", "qtype"), REAL_WEIGHTS, ids=lambda v: getattr(v, "name", v))
+def test_real_model_weights(model, name, qtype):
+    tensor = model[name]
+    m = QuantizedMatrix.from_tensor(tensor)
+    assert m.qtype == qtype
+    ref = reference(tensor)
+    assert np.array_equal(bits(m.dequantize()), bits(ref))
+    ids = np.array([0, 1, 2, 17, m.rows - 1])
+    assert np.array_equal(bits(m.rows_at(ids)), bits(ref[ids]))
+    x = np.random.default_rng(4).standard_normal(m.cols).astype(np.float32)
+    assert_close(m.matvec(x), ref, x)
