@@ -17,8 +17,9 @@ Compilation. Kernels are built per GGML type on first use (see `_kernels`) and c
 from __future__ import annotations
 
 import functools
+import io
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 import gguf
 import numba
@@ -83,7 +84,9 @@ class QuantizedMatrix:
             out = np.empty(self.rows, np.float32)
         elif out.shape != (self.rows,) or out.dtype != np.float32 or not out.flags.c_contiguous:
             raise ValueError(f"{self.name}: out must be contiguous float32 of shape ({self.rows},)")
-        self._kernels.matvec(self._tiles, x, out, numba.get_num_threads())
+        # As many chunks of tiles as Numba may ever run threads (numba.get_num_threads() costs more than a
+        # small matvec's arithmetic); prange spreads them over the threads currently enabled.
+        self._kernels.matvec(self._tiles, x, out, numba.config.NUMBA_NUM_THREADS)
         return out
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
@@ -154,17 +157,28 @@ def _load_tiles(tensor: gguf.ReaderTensor, rows: int, nblocks: int, type_size: i
     ntiles = -(-rows // TILE_ROWS)
     tiles = np.empty((ntiles, nblocks, type_size, TILE_ROWS), np.uint8)
     step = max(1, LOAD_CHUNK_BYTES // (TILE_ROWS * row_bytes))  # tiles per read
-    with open(tensor.data.filename, "rb") as f:
-        f.seek(int(tensor.data_offset))
+    with _open_tensor_bytes(tensor) as f:
         for t in range(0, ntiles, step):
             n = min(step, ntiles - t)
             want = min(n * TILE_ROWS, rows - t * TILE_ROWS) * row_bytes
             chunk = np.zeros(n * TILE_ROWS * row_bytes, np.uint8)
-            got = f.readinto(memoryview(chunk)[:want])
-            if got != want:
+            if f.readinto(memoryview(chunk)[:want]) != want:
                 raise InfernoError(f"tensor {tensor.name}: file ends inside the tensor's data")
             tiles[t : t + n] = chunk.reshape(n, TILE_ROWS, nblocks, type_size).transpose(0, 2, 3, 1)
     return tiles
+
+
+def _open_tensor_bytes(tensor: gguf.ReaderTensor) -> BinaryIO:
+    """A binary stream positioned at the tensor's first byte: the mapped file when the tensor's array
+    is a view of an np.memmap (as GGUFReader's are), else the array's own bytes."""
+    array = tensor.data
+    while isinstance(array, np.ndarray):
+        if isinstance(array, np.memmap) and array.filename:
+            f = open(array.filename, "rb")  # noqa: SIM115 (closed by the caller's with-block)
+            f.seek(int(tensor.data_offset))
+            return f
+        array = array.base
+    return io.BytesIO(np.ascontiguousarray(tensor.data).view(np.uint8).reshape(-1)[: int(tensor.n_bytes)])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -518,14 +532,14 @@ def _kernels(kind: int) -> _Kernels:
     fused = kind in _DOT
 
     @njit(cache=True, parallel=True, fastmath=True)
-    def matvec(tiles, x, out, nthreads):
+    def matvec(tiles, x, out, nchunks):
         ntiles, lanes = tiles.shape[0], tiles.shape[3]
         nblocks = x.size // 32  # the float types' rows need not be whole blocks; they ignore xs
         xs = np.zeros(nblocks, np.float32)
         for b in range(nblocks):
             for j in range(32):
                 xs[b] += x[32 * b + j]
-        nchunks = min(ntiles, nthreads)
+        nchunks = min(ntiles, nchunks)
         for c in prange(nchunks):  # one run of tiles per thread, so scratch is allocated once per thread
             acc = np.empty(lanes, np.float32)
             s = np.empty((4, lanes), np.float32)
