@@ -2,8 +2,9 @@
 
 Every kernel takes float32, C-contiguous arrays (one signature each, so each compiles once and is
 cached on disk). Only kernels with enough work per call run in parallel: a decode step's norms and
-gates are a few thousand floats, less than the cost of waking a thread pool. Matrix products against quantized weights live in `inferno.quant`; the big
-matrix-matrix products of prefill go to numpy's BLAS.
+gates are a few thousand floats, less than the cost of waking a thread pool. Matrix products
+against quantized weights live in `inferno.quant`; the big matrix-matrix products of prefill go to
+numpy's BLAS.
 """
 
 from __future__ import annotations

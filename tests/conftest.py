@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the commands do; see inferno.cli.common
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
