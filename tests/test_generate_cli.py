@@ -110,8 +110,10 @@ def write_tiny_gguf(path, arch: str = "llama", tensor_type=gguf.GGMLQuantization
     }
     for name, shape in shapes.items():
         data = np.ones(shape, dtype=np.float32)
-        if len(shape) == 2 and name.startswith("blk"):
-            w.add_tensor(name, gguf.quants.quantize(data, tensor_type), raw_dtype=tensor_type)
+        if len(shape) == 2 and name.startswith("blk") and tensor_type != gguf.GGMLQuantizationType.F32:
+            block, size = gguf.GGML_QUANT_SIZES[tensor_type]  # raw blocks: any bytes make a valid file
+            blocks = np.zeros((shape[0], shape[1] // block * size), dtype=np.uint8)
+            w.add_tensor(name, blocks, raw_dtype=tensor_type)
         else:
             w.add_tensor(name, data)
     w.write_header_to_file()
@@ -127,9 +129,9 @@ def test_unsupported_architecture(generate, tmp_path):
 
 
 def test_unsupported_tensor_type(generate, tmp_path):
-    f = tmp_path / "tq.gguf"
-    write_tiny_gguf(f, tensor_type=gguf.GGMLQuantizationType.TQ2_0)
-    assert_refused(generate(f, "hi"), "TQ2_0")
+    f = tmp_path / "iq4.gguf"
+    write_tiny_gguf(f, tensor_type=gguf.GGMLQuantizationType.IQ4_NL)
+    assert_refused(generate(f, "hi"), "IQ4_NL")
 
 
 def test_prompt_longer_than_the_context(generate, model_path):
@@ -153,7 +155,8 @@ def test_without_cache_the_request_must_fit_the_context(generate, model_path):
     ("args", "fragment"),
     [
         (["hi", "0"], "at least 1"),
-        (["hi", "-3"], "at least 1"),
+        (["hi", "--", "-3"], "at least 1"),
+        (["hi", "-3"], "-3"),
         (["hi", "many"], "whole number"),
         (["--kv", "paged", "hi"], "unknown KV cache mode 'paged'"),
         (["--temperature", "-1", "hi"], "--temperature"),
