@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the commands do; see inferno.cli.common
+from inferno.cli.common import SPIN_COUNT
+
+os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)  # as the commands do
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"

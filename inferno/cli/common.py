@@ -40,14 +40,18 @@ def run(command: click.Command, prog: str) -> None:
         sys.exit(0)
 
 
+SPIN_COUNT = "1000"  # busy-wait iterations (a few microseconds) before an idle worker sleeps
+
+
 def set_threads(threads: int | None) -> None:
     """Cap every thread pool we use (Numba's and the BLAS behind numpy) at `threads`.
 
-    Must run before numpy is imported for the BLAS limits to take effect. Idle OpenMP workers are
-    made to sleep rather than spin: on a machine with other busy processes, spinning workers of a
-    2-thread pool measured 3x slower decode than sleeping ones.
+    Must run before numpy is imported for the BLAS limits to take effect. Idle OpenMP workers spin
+    only briefly before sleeping: a decode step launches ~200 parallel loops microseconds apart, so
+    sleeping at once (OMP_WAIT_POLICY=PASSIVE) made decode 1.4x slower on a quiet machine, while
+    libgomp's default long spin made it up to 10x slower when other processes wanted the cores.
     """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
     if threads is None:
         return
     if threads < 1:
