@@ -105,31 +105,79 @@ def causal_softmax(scores: np.ndarray, n_queries: int, first_pos: int) -> None:
         scores[b, r, visible:] = 0.0
 
 
-@njit(cache=True, fastmath=True, parallel=True)
-def attention_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: int) -> np.ndarray:
-    """One query token against every cached position, grouped-query heads; no mask is needed.
+DECODE_SPAN = 128  # cached positions per parallel task of attention_decode
 
-    q [n_heads * head_dim]; keys, values [S, n_kv_heads * head_dim]; returns [n_heads * head_dim].
+
+@njit(cache=True, fastmath=True)
+def attend_span(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: int, weights: np.ndarray,
+                out: np.ndarray, stats: np.ndarray) -> None:
+    """One query token over a span of cached rows, softmax left unnormalised (flash-decoding).
+
+    For each query head h: out[h] = sum_s exp(score_s - m) * v_s, stats[h] = (m, sum_s exp(score_s - m))
+    with m the span's largest score, so spans combine exactly (see attention_decode). Inner loops run
+    over slices (indices known non-negative) so LLVM vectorizes them; weights is scratch [span].
     """
     n_pos, kv_width = keys.shape
     head_dim = q.shape[0] // n_heads
     group = n_heads // (kv_width // head_dim)
     scale = np.float32(1.0 / math.sqrt(head_dim))
-    out = np.zeros_like(q)
-    for h in prange(n_heads):
-        qo = h * head_dim
-        ko = (h // group) * head_dim
-        weights = np.empty(n_pos, dtype=np.float32)
+    for h in range(n_heads):
+        qh = q[h * head_dim : (h + 1) * head_dim]
+        kv = (h // group) * head_dim
+        top = -np.inf
         for s in range(n_pos):
+            kh = keys[s, kv : kv + head_dim]
             acc = np.float32(0.0)
             for j in range(head_dim):
-                acc += q[qo + j] * keys[s, ko + j]
+                acc += qh[j] * kh[j]
             weights[s] = acc * scale
-        softmax(weights)
+            top = max(top, weights[s])
+        oh = out[h * head_dim : (h + 1) * head_dim]
+        oh[:] = 0.0
+        total = np.float32(0.0)
         for s in range(n_pos):
-            w = weights[s]
+            w = np.float32(math.exp(weights[s] - top))
+            total += w
+            vh = values[s, kv : kv + head_dim]
             for j in range(head_dim):
-                out[qo + j] += w * values[s, ko + j]
+                oh[j] += w * vh[j]
+        stats[h, 0] = top
+        stats[h, 1] = total
+
+
+@njit(cache=True, fastmath=True, parallel=True)
+def attention_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: int) -> np.ndarray:
+    """One query token against every cached position, grouped-query heads; no mask is needed.
+
+    q [n_heads * head_dim]; keys, values [S, n_kv_heads * head_dim]; returns [n_heads * head_dim].
+    The positions are cut into spans done in parallel, each reading its K and V rows once; the spans'
+    partial softmaxes are then rescaled to the global maximum and summed.
+    """
+    n_pos = keys.shape[0]
+    head_dim = q.shape[0] // n_heads
+    n_spans = (n_pos + DECODE_SPAN - 1) // DECODE_SPAN
+    partial = np.empty((n_spans, q.shape[0]), np.float32)
+    stats = np.empty((n_spans, n_heads, 2), np.float32)
+    for c in prange(n_spans):
+        s0, s1 = c * DECODE_SPAN, min((c + 1) * DECODE_SPAN, n_pos)
+        weights = np.empty(s1 - s0, np.float32)
+        attend_span(q, keys[s0:s1], values[s0:s1], n_heads, weights, partial[c], stats[c])
+    out = np.zeros_like(q)
+    for h in range(n_heads):
+        top = stats[0, h, 0]
+        for c in range(1, n_spans):
+            top = max(top, stats[c, h, 0])
+        total = np.float32(0.0)
+        oh = out[h * head_dim : (h + 1) * head_dim]
+        for c in range(n_spans):
+            rescale = np.float32(math.exp(stats[c, h, 0] - top))
+            total += rescale * stats[c, h, 1]
+            ph = partial[c, h * head_dim : (h + 1) * head_dim]
+            for j in range(head_dim):
+                oh[j] += rescale * ph[j]
+        inv = np.float32(1.0) / total
+        for j in range(head_dim):
+            oh[j] *= inv
     return out
 
 
