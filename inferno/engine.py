@@ -42,10 +42,7 @@ class Engine:
 
         t0 = perf_counter()
         with step(f"loading {path}"):
-            reader = open_gguf(path)
-            model = Transformer.from_gguf(reader)
-            tokenizer = GGUFTokenizer.from_gguf(reader)
-            fingerprint = model_fingerprint(reader)
+            model, tokenizer, fingerprint = _read(path)
         t1 = perf_counter()
         with step("compiling kernels (cached on disk after the first run)"):
             warm_up(model)
@@ -81,6 +78,13 @@ class Engine:
                 f"more than --max-context {capacity}"
             )
         return create_kv_cache(mode, self.config, capacity)
+
+
+def _read(path: str | os.PathLike) -> tuple[Transformer, GGUFTokenizer, str]:
+    """Everything a run needs from the file. The reader (tens of MB of parsed metadata) is released
+    on return, before the kernels are compiled, so it never adds to the process's peak memory."""
+    reader = open_gguf(path)
+    return Transformer.from_gguf(reader), GGUFTokenizer.from_gguf(reader), model_fingerprint(reader)
 
 
 def warm_up(model: Transformer) -> None:

@@ -1,5 +1,7 @@
 """The KV cache protocol, for every kind: write, read, commit, reset, overflow, memory."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -111,6 +113,22 @@ def test_prealloc_layout_and_memory_is_the_formula():
     written = fill(cache, 3)
     np.testing.assert_array_equal(cache.keys[1, :3], written[1][0])
     assert cache.nbytes == 2 * LAYERS * 7 * WIDTH * 4  # allocated up front, whatever the length
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux's /proc")
+def test_prealloc_memory_becomes_resident_only_as_rows_are_written():
+    cache = PreallocKVCache(30, 192, capacity=4096)  # SmolLM2's geometry: 180 MiB allocated
+    before = resident_bytes()
+    for layer in range(30):
+        cache.write(layer, 0, np.ones((1, 192), np.float32), np.ones((1, 192), np.float32))
+    cache.commit(1)
+    assert cache.nbytes == 2 * 30 * 4096 * 192 * 4
+    assert resident_bytes() - before < 2 << 20  # one 4 KiB page per layer and tensor, not a huge page
 
 
 def test_basic_memory_grows_with_length_by_the_formula():
