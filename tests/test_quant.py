@@ -15,7 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from inferno.errors import InfernoError
-from inferno.quant import SUPPORTED, TILE_ROWS, QuantizedMatrix, tensor_to_float32
+from inferno.quant import SUPPORTED, WIDE_TILE_ROWS, QuantizedMatrix, tensor_to_float32
 
 MODEL = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -66,16 +66,16 @@ def assert_close(got: np.ndarray, w: np.ndarray, x: np.ndarray) -> None:
     assert np.all(np.abs(got - exact) <= 1e-5 * scale + 1e-30)
 
 
-# rows not a multiple of TILE_ROWS, so the last tile is padded; 512 columns hold 2 K-quant super-blocks
+# rows not a multiple of any tile height, so the last tile is padded; 512 columns hold 2 K-quant super-blocks
 @pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [2 * TILE_ROWS + 6, 3])
+@pytest.mark.parametrize("rows", [2 * WIDE_TILE_ROWS + 6, 3])
 def test_matrix_matches_gguf(tmp_path, qtype, rows):
     rng = np.random.default_rng(int(qtype) * 100 + rows)
     cols = 512
     tensor = write_gguf(tmp_path / "w.gguf", {"w": (qtype, make_blocks(qtype, rows, cols, rng))})["w"]
     m = QuantizedMatrix.from_tensor(tensor)
     assert (m.rows, m.cols, m.qtype, m.name) == (rows, cols, qtype, "w")
-    assert tensor.n_bytes <= m.nbytes <= tensor.n_bytes * (1 + TILE_ROWS / rows)
+    assert tensor.n_bytes <= m.nbytes <= tensor.n_bytes * (1 + WIDE_TILE_ROWS / rows)
 
     ref = reference(tensor)
     assert np.isfinite(ref).all()
@@ -98,7 +98,7 @@ def test_matrix_matches_gguf(tmp_path, qtype, rows):
 
 def test_matvec_is_the_same_on_any_thread_count(tmp_path):
     rng = np.random.default_rng(1)
-    blocks = make_blocks(Q.Q4_1, 8 * TILE_ROWS, 256, rng)
+    blocks = make_blocks(Q.Q4_1, 8 * WIDE_TILE_ROWS, 256, rng)
     tensor = write_gguf(tmp_path / "w.gguf", {"w": (Q.Q4_1, blocks)})["w"]
     m = QuantizedMatrix.from_tensor(tensor)
     x = rng.standard_normal(256).astype(np.float32)
