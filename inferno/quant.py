@@ -30,6 +30,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from inferno.errors import InfernoError
+from inferno.kernels import float_from_bits
 
 TILE_ROWS = 32  # lanes per tile: full SIMD loops, yet enough tiles to share small matrices between threads
 WIDE_TILE_ROWS = 64  # for 4-bit blocks, whose matvec measured 1.2x faster on 64 lanes (Q8_0: 1.4x slower)
@@ -92,8 +93,8 @@ class QuantizedMatrix:
         return out
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
-        """x @ W.T: float32[n, cols] -> float32[n, rows], for prefill. Dequantizes a chunk of rows at a
-        time into a shared scratch and hands it to BLAS."""
+        """x @ W.T: float32[n, cols] -> float32[n, rows], for prefill. Dequantizes a chunk of tiles at
+        a time, in parallel, into a shared scratch holding W.T's columns, and hands it to BLAS."""
         global _matmul_scratch
         x = np.ascontiguousarray(x, dtype=np.float32)
         if x.ndim != 2 or x.shape[1] != self.cols:
@@ -104,14 +105,16 @@ class QuantizedMatrix:
                 self.matvec(v, out[i])
             return out
         lanes = self._tiles.shape[3]
-        step = min(self.rows, max(lanes, MATMUL_CHUNK_BYTES // (4 * self.cols) // lanes * lanes))
-        if _matmul_scratch.size < step * self.cols:
-            _matmul_scratch = np.empty(step * self.cols, np.float32)
-        for first in range(0, self.rows, step):
-            last = min(first + step, self.rows)
-            w = _matmul_scratch[: (last - first) * self.cols].reshape(last - first, self.cols)
-            self._kernels.dequantize_rows(self._tiles, np.arange(first, last), w)
-            np.matmul(x, w.T, out=out[:, first:last])
+        ntiles = self._tiles.shape[0]
+        step = min(ntiles, max(1, MATMUL_CHUNK_BYTES // (4 * self.cols * lanes)))  # tiles per chunk
+        if _matmul_scratch.size < step * lanes * self.cols:
+            _matmul_scratch = np.empty(step * lanes * self.cols, np.float32)
+        for first in range(0, ntiles, step):
+            n = min(step, ntiles - first)
+            w_t = _matmul_scratch[: self.cols * n * lanes].reshape(self.cols, n * lanes)
+            self._kernels.dequantize_transposed(self._tiles[first : first + n], w_t)
+            rows = min(n * lanes, self.rows - first * lanes)  # the last tile's padding rows are dropped
+            np.matmul(x, w_t[:, :rows], out=out[:, first * lanes : first * lanes + rows])
         return out
 
     def dequantize(self) -> np.ndarray:
@@ -189,23 +192,13 @@ def _open_tensor_bytes(tensor: gguf.ReaderTensor) -> BinaryIO:
 
 
 @intrinsic
-def _half_bits_to_float(typingctx, bits):
+def _halffloat_from_bits(typingctx, bits):
     """IEEE half -> float32 with the CPU's conversion instruction. Exact for every finite value and inf;
     only a signalling NaN's payload may differ from numpy (it comes back quieted)."""
     sig = types.float32(types.uint16)
 
     def codegen(context, builder, signature, args):
         return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    return sig, codegen
-
-
-@intrinsic
-def _bits_to_float(typingctx, bits):
-    sig = types.float32(types.uint32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
 
     return sig, codegen
 
@@ -218,7 +211,7 @@ def _u16(w, b, p, r):
 @njit(cache=True)
 def _f16(w, b, p, r):
     """The little-endian half at bytes p, p+1 of block b, lane r."""
-    return _half_bits_to_float(_u16(w, b, p, r))
+    return _halffloat_from_bits(_u16(w, b, p, r))
 
 
 @njit(cache=True)
@@ -257,7 +250,8 @@ def _scale_min_k4(w, b, j, r):
 def _deq_f32(w, r0, r1, out):
     for c in range(w.shape[0]):
         for r in range(r0, r1):
-            out[c, r - r0] = _bits_to_float(np.uint32(_u16(w, c, 0, r)) | (np.uint32(_u16(w, c, 2, r)) << 16))
+            bits = np.uint32(_u16(w, c, 0, r)) | (np.uint32(_u16(w, c, 2, r)) << 16)
+            out[c, r - r0] = float_from_bits(bits)
 
 
 @njit(cache=True)
@@ -271,7 +265,7 @@ def _deq_f16(w, r0, r1, out):
 def _deq_bf16(w, r0, r1, out):
     for c in range(w.shape[0]):
         for r in range(r0, r1):
-            out[c, r - r0] = _bits_to_float(np.uint32(_u16(w, c, 0, r)) << 16)
+            out[c, r - r0] = float_from_bits(np.uint32(_u16(w, c, 0, r)) << 16)
 
 
 @njit(cache=True)
@@ -528,6 +522,7 @@ def _tile_dot_impl(kind, w, x, xs, acc, s, scratch):
 class _Kernels(NamedTuple):
     matvec: Callable
     dequantize_rows: Callable
+    dequantize_transposed: Callable
 
 
 @functools.cache
@@ -569,4 +564,15 @@ def _kernels(kind: int) -> _Kernels:
                     out[k + i, c] = scratch[c, i]
             k += n
 
-    return _Kernels(matvec, dequantize_rows)
+    @njit(cache=True, parallel=True)
+    def dequantize_transposed(tiles, out_t):
+        """out_t[col, t * lanes + lane] = element col of row lane of tile t: whole tiles, W.T for BLAS."""
+        cols, lanes = out_t.shape[0], tiles.shape[3]
+        for t in prange(tiles.shape[0]):
+            scratch = np.empty((cols, lanes), np.float32)
+            _dequantize_tile(kind, tiles[t], 0, lanes, scratch)
+            for c in range(cols):
+                for r in range(lanes):
+                    out_t[c, t * lanes + r] = scratch[c, r]
+
+    return _Kernels(matvec, dequantize_rows, dequantize_transposed)

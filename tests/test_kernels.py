@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 import pytest
+from numba import njit
 
 from inferno import kernels
 from inferno.config import ModelConfig
@@ -126,3 +127,14 @@ def test_attention_decode_is_the_last_row_of_causal_attention():
     v = rng.standard_normal((s, 2 * 16), dtype=np.float32)
     got = kernels.attention_decode(q[0], k, v, 8)
     np.testing.assert_allclose(got, reference_attention(q, k, v, 8, s - 1)[0], atol=1e-5)
+
+
+def test_exp_f32_is_within_two_ulp_of_exact_and_clamps_to_the_float32_range():
+    exp_all = njit(lambda xs: np.array([kernels.exp_f32(v) for v in xs], dtype=np.float32))
+    x = np.concatenate([np.linspace(-87, 88, 200_001, dtype=np.float32), np.float32([0.0, -1e-8, 1e-8])])
+    exact = np.exp(x.astype(np.float64))
+    ulps = np.abs(exp_all(x) - exact) / np.spacing(exact.astype(np.float32)).astype(np.float64)
+    assert ulps.max() <= 2
+    assert exp_all(np.float32([0.0]))[0] == 1.0
+    low, high = exp_all(np.float32([-np.inf, np.inf]))
+    assert 0 < low < 1e-37 and np.isfinite(high) and high > 1e38
