@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import gguf
 import numpy as np
 from gguf import GGUFReader
 
@@ -22,12 +23,37 @@ from inferno.kv_cache import KVCache
 from inferno.quant import QuantizedMatrix, tensor_to_float32
 
 
+class Projections:
+    """Weights applied to the same input (q/k/v; gate/up). Those sharing a block type and row length
+    are stacked into one QuantizedMatrix, so a decode step makes one kernel call for all of them."""
+
+    def __init__(self, tensors: list[gguf.ReaderTensor]):
+        kinds: dict[tuple[int, int], list[int]] = {}
+        for i, t in enumerate(tensors):
+            kinds.setdefault((int(t.tensor_type), int(t.shape[0])), []).append(i)
+        self.matrices: list[QuantizedMatrix] = []
+        self._where = [(0, 0)] * len(tensors)  # (matrix, part) holding each weight
+        for members in kinds.values():
+            for part, i in enumerate(members):
+                self._where[i] = (len(self.matrices), part)
+            self.matrices.append(QuantizedMatrix.from_tensors([tensors[i] for i in members]))
+
+    def __call__(self, x: np.ndarray) -> list[np.ndarray]:
+        """x [T, in] through every weight: one [T, out_i] array per weight, in the order given."""
+        if x.shape[0] > 1:
+            return [self.matrices[m].matmul(x, part=p) for m, p in self._where]
+        outs = [m.matvec(x[0]) for m in self.matrices]  # decode: one call per stacked matrix
+        views = []
+        for m, p in self._where:
+            first, n = self.matrices[m].parts[p]
+            views.append(outs[m][None, first : first + n])
+        return views
+
+
 @dataclass
 class Layer:
     attn_norm: np.ndarray
-    wq: QuantizedMatrix
-    wk: QuantizedMatrix
-    wv: QuantizedMatrix
+    qkv: Projections
     wo: QuantizedMatrix
     bq: np.ndarray | None  # qwen2
     bk: np.ndarray | None
@@ -35,8 +61,7 @@ class Layer:
     q_norm: np.ndarray | None  # qwen3: RMSNorm over each head of q and k before RoPE
     k_norm: np.ndarray | None
     ffn_norm: np.ndarray
-    w_gate: QuantizedMatrix
-    w_up: QuantizedMatrix
+    gate_up: Projections
     w_down: QuantizedMatrix
 
 
@@ -84,9 +109,7 @@ class Transformer:
         layers = [
             Layer(
                 attn_norm=vector(f"blk.{i}.attn_norm.weight"),
-                wq=matrix(f"blk.{i}.attn_q.weight"),
-                wk=matrix(f"blk.{i}.attn_k.weight"),
-                wv=matrix(f"blk.{i}.attn_v.weight"),
+                qkv=Projections([tensor(f"blk.{i}.attn_{w}.weight") for w in "qkv"]),
                 wo=matrix(f"blk.{i}.attn_output.weight"),
                 bq=optional(f"blk.{i}.attn_q.bias"),
                 bk=optional(f"blk.{i}.attn_k.bias"),
@@ -94,8 +117,7 @@ class Transformer:
                 q_norm=optional(f"blk.{i}.attn_q_norm.weight"),
                 k_norm=optional(f"blk.{i}.attn_k_norm.weight"),
                 ffn_norm=vector(f"blk.{i}.ffn_norm.weight"),
-                w_gate=matrix(f"blk.{i}.ffn_gate.weight"),
-                w_up=matrix(f"blk.{i}.ffn_up.weight"),
+                gate_up=Projections([tensor(f"blk.{i}.ffn_{w}.weight") for w in ("gate", "up")]),
                 w_down=matrix(f"blk.{i}.ffn_down.weight"),
             )
             for i in range(config.n_layers)
@@ -164,7 +186,7 @@ class Transformer:
     def _qkv(self, layer: Layer, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Projections of normed rows h [T, hidden] to q [T, q_width], k and v [T, kv_width]."""
         c = self.config
-        q, k, v = (_project(w, h) for w in (layer.wq, layer.wk, layer.wv))
+        q, k, v = layer.qkv(h)
         if layer.bq is not None:
             q += layer.bq
             k += layer.bk
@@ -176,7 +198,8 @@ class Transformer:
 
     def _mlp(self, layer: Layer, x: np.ndarray) -> np.ndarray:
         h = kernels.rmsnorm(x, layer.ffn_norm, self.config.rms_eps)
-        return _project(layer.w_down, kernels.silu_gate(_project(layer.w_gate, h), _project(layer.w_up, h)))
+        gate, up = layer.gate_up(h)
+        return _project(layer.w_down, kernels.silu_gate(gate, up))
 
     def _logits(self, x: np.ndarray) -> np.ndarray:
         return _project(self.output, kernels.rmsnorm(x, self.output_norm, self.config.rms_eps))

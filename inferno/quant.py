@@ -60,20 +60,33 @@ class QuantizedMatrix:
         self.nbytes = tiles.nbytes
         self._tiles = tiles
         self._kernels = _kernels(int(qtype))
+        self.parts = [(0, rows)]  # (first row, rows) of each stacked weight (see from_tensors)
 
     @classmethod
     def from_tensor(cls, tensor: gguf.ReaderTensor) -> QuantizedMatrix:
-        qtype = _check_supported(tensor)
-        dims = [int(n) for n in tensor.shape]
-        if len(dims) != 2:
-            raise InfernoError(f"tensor {tensor.name}: expected a 2-D weight, got shape {dims}")
-        cols, rows = dims  # GGML order: ne0, the contiguous row length, first
-        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-        if cols % block:
-            raise InfernoError(f"tensor {tensor.name}: row length {cols} is not a multiple of the "
-                               f"{qtype.name} block size {block}")
+        return cls.from_tensors([tensor])
+
+    @classmethod
+    def from_tensors(cls, tensors: list[gguf.ReaderTensor]) -> QuantizedMatrix:
+        """The rows of several weights of one block type and row length, one weight after another,
+        each starting on a tile boundary (see `parts`): one kernel call computes them all."""
+        shapes = [_matrix_shape(t) for t in tensors]
+        qtype, cols = shapes[0][0], shapes[0][2]
+        if any((q, c) != (qtype, cols) for q, _, c in shapes):
+            raise ValueError(f"cannot stack {[t.name for t in tensors]}: block types or row lengths differ")
         lanes = WIDE_TILE_ROWS if qtype in (QType.Q4_0, QType.Q4_1) else TILE_ROWS
-        return cls(tensor.name, qtype, rows, cols, _load_tiles(tensor, rows, cols // block, type_size, lanes))
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        counts = [-(-rows // lanes) for _, rows, _ in shapes]
+        tiles = np.empty((sum(counts), cols // block, type_size, lanes), np.uint8)
+        first = 0
+        parts = []
+        for tensor, (_, rows, _), count in zip(tensors, shapes, counts, strict=True):
+            _read_tiles(tensor, rows, tiles[first : first + count])
+            parts.append((first * lanes, rows))
+            first += count
+        matrix = cls("+".join(t.name for t in tensors), qtype, sum(parts[-1]), cols, tiles)
+        matrix.parts = parts
+        return matrix
 
     def __repr__(self) -> str:
         return f"QuantizedMatrix({self.name!r}, {self.qtype.name}, rows={self.rows}, cols={self.cols})"
@@ -92,29 +105,31 @@ class QuantizedMatrix:
         self._kernels.matvec(self._tiles, x, out, numba.config.NUMBA_NUM_THREADS)
         return out
 
-    def matmul(self, x: np.ndarray) -> np.ndarray:
-        """x @ W.T: float32[n, cols] -> float32[n, rows], for prefill. Dequantizes a chunk of tiles at
-        a time, in parallel, into a shared scratch holding W.T's columns, and hands it to BLAS."""
+    def matmul(self, x: np.ndarray, part: int | None = None) -> np.ndarray:
+        """x @ W.T: float32[n, cols] -> float32[n, rows], for prefill; with `part`, only the rows of
+        that stacked weight (see from_tensors). Dequantizes a chunk of tiles at a time, in parallel,
+        into a shared scratch holding W.T's columns, and hands it to BLAS."""
         global _matmul_scratch
         x = np.ascontiguousarray(x, dtype=np.float32)
         if x.ndim != 2 or x.shape[1] != self.cols:
             raise ValueError(f"{self.name}: matmul needs x of shape (n, {self.cols}), got {x.shape}")
-        out = np.empty((x.shape[0], self.rows), np.float32)
+        start, rows = (0, self.rows) if part is None else self.parts[part]
+        out = np.empty((x.shape[0], rows), np.float32)
         if x.shape[0] < MATMUL_MIN_ROWS:
             for i, v in enumerate(x):
-                self.matvec(v, out[i])
+                out[i] = self.matvec(v)[start : start + rows]
             return out
         lanes = self._tiles.shape[3]
-        ntiles = self._tiles.shape[0]
-        step = min(ntiles, max(1, MATMUL_CHUNK_BYTES // (4 * self.cols * lanes)))  # tiles per chunk
+        tiles = self._tiles[start // lanes : (start + rows + lanes - 1) // lanes]
+        step = min(len(tiles), max(1, MATMUL_CHUNK_BYTES // (4 * self.cols * lanes)))  # tiles per chunk
         if _matmul_scratch.size < step * lanes * self.cols:
             _matmul_scratch = np.empty(step * lanes * self.cols, np.float32)
-        for first in range(0, ntiles, step):
-            n = min(step, ntiles - first)
+        for first in range(0, len(tiles), step):
+            n = min(step, len(tiles) - first)
             w_t = _matmul_scratch[: self.cols * n * lanes].reshape(self.cols, n * lanes)
-            self._kernels.dequantize_transposed(self._tiles[first : first + n], w_t)
-            rows = min(n * lanes, self.rows - first * lanes)  # the last tile's padding rows are dropped
-            np.matmul(x, w_t[:, :rows], out=out[:, first * lanes : first * lanes + rows])
+            self._kernels.dequantize_transposed(tiles[first : first + n], w_t)
+            m = min(n * lanes, rows - first * lanes)  # the last tile's padding rows are dropped
+            np.matmul(x, w_t[:, :m], out=out[:, first * lanes : first * lanes + m])
         return out
 
     def dequantize(self) -> np.ndarray:
@@ -154,14 +169,28 @@ def _check_supported(tensor: gguf.ReaderTensor) -> QType:
     return qtype
 
 
-def _load_tiles(tensor: gguf.ReaderTensor, rows: int, nblocks: int, type_size: int, lanes: int) -> np.ndarray:
-    """The tensor's blocks as uint8[tiles, nblocks, type_size, lanes], zero rows padding the last tile.
+def _matrix_shape(tensor: gguf.ReaderTensor) -> tuple[QType, int, int]:
+    """(block type, rows, cols) of a 2-D weight we can compute with."""
+    qtype = _check_supported(tensor)
+    dims = [int(n) for n in tensor.shape]
+    if len(dims) != 2:
+        raise InfernoError(f"tensor {tensor.name}: expected a 2-D weight, got shape {dims}")
+    cols, rows = dims  # GGML order: ne0, the contiguous row length, first
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if cols % block:
+        raise InfernoError(f"tensor {tensor.name}: row length {cols} is not a multiple of the "
+                           f"{qtype.name} block size {block}")
+    return qtype, rows, cols
+
+
+def _read_tiles(tensor: gguf.ReaderTensor, rows: int, tiles: np.ndarray) -> None:
+    """Fill tiles uint8[tiles, blocks, type_size, lanes] with the tensor's blocks, zero rows padding the
+    last tile.
 
     Read from the file a few tiles at a time rather than through the reader's memory map: pages touched
     in the map would stay resident next to the repacked copy, doubling the model's memory."""
+    ntiles, nblocks, type_size, lanes = tiles.shape
     row_bytes = nblocks * type_size
-    ntiles = -(-rows // lanes)
-    tiles = np.empty((ntiles, nblocks, type_size, lanes), np.uint8)
     step = max(1, LOAD_CHUNK_BYTES // (lanes * row_bytes))  # tiles per read
     with _open_tensor_bytes(tensor) as f:
         for t in range(0, ntiles, step):
@@ -171,7 +200,6 @@ def _load_tiles(tensor: gguf.ReaderTensor, rows: int, nblocks: int, type_size: i
             if f.readinto(memoryview(chunk)[:want]) != want:
                 raise InfernoError(f"tensor {tensor.name}: file ends inside the tensor's data")
             tiles[t : t + n] = chunk.reshape(n, lanes, nblocks, type_size).transpose(0, 2, 3, 1)
-    return tiles
 
 
 def _open_tensor_bytes(tensor: gguf.ReaderTensor) -> BinaryIO:

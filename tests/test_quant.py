@@ -171,3 +171,26 @@ def test_real_model_weights(model, name, qtype):
     assert np.array_equal(bits(m.rows_at(ids)), bits(ref[ids]))
     x = np.random.default_rng(4).standard_normal(m.cols).astype(np.float32)
     assert_close(m.matvec(x), ref, x)
+
+
+def test_stacked_weights_compute_like_separate_ones(tmp_path):
+    """q/k/v-like weights of one type stack into one matrix (rows not multiples of a tile: padding
+    between parts); a weight of another type stays apart. Same results either way, in decode and
+    prefill shapes."""
+    from inferno.model import Projections
+
+    rng = np.random.default_rng(7)
+    shapes = {"a": (Q.Q4_1, 70), "b": (Q.Q4_1, 33), "c": (Q.Q8_0, 40), "d": (Q.Q4_1, 64)}
+    tensors = write_gguf(tmp_path / "stack.gguf", {
+        name: (qtype, make_blocks(qtype, rows, 256, rng)) for name, (qtype, rows) in shapes.items()
+    })
+    group = Projections([tensors[name] for name in shapes])
+    assert [m.qtype for m in group.matrices] == [Q.Q4_1, Q.Q8_0]
+    stacked = group.matrices[0]
+    assert stacked.parts == [(0, 70), (128, 33), (192, 64)]  # tiles of 64 rows
+    np.testing.assert_array_equal(bits(stacked.dequantize()[128:161]), bits(reference(tensors["b"])))
+    for n in (1, 3, 20):  # one row (matvec), a few (matvec per row), many (BLAS)
+        x = rng.standard_normal((n, 256)).astype(np.float32)
+        for name, got in zip(shapes, group(x), strict=True):
+            assert_close(got, reference(tensors[name]), x)
+            assert got.flags.c_contiguous
