@@ -11,6 +11,7 @@ from pathlib import Path
 import gguf
 import pytest
 from click.testing import CliRunner
+from conftest import DEFAULT_MODEL, ROOT
 
 from inferno.cli import memcalc as memcalc_cli
 from inferno.cli.memcalc import command, main
@@ -33,8 +34,6 @@ from inferno.memcalc import (
     row_bytes,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 GiB = 2**30
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,9 @@ import gguf
 import tokenizers
 import transformers
 from transformers import AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the variant files the tests rebuild
+from test_tokenizer import write_variant
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -311,21 +315,6 @@ CHATS = [
         {"role": "user", "content": "Another one, en français 🙂"},
     ],
 ]
-
-
-def write_variant(source: gguf.GGUFReader, path: Path, overrides: dict[str, Any]) -> None:
-    """A GGUF holding only `source`'s tokenizer metadata, with `overrides` put over it."""
-    writer = gguf.GGUFWriter(path, "llama")
-    for key, field in source.fields.items():
-        if key.startswith("tokenizer.") and key not in overrides:
-            sub_type = field.types[-1] if len(field.types) > 1 else None
-            writer.add_key_value(key, field.contents(), field.types[0], sub_type)
-    for key, value in overrides.items():
-        vtype = gguf.GGUFValueType.BOOL if isinstance(value, bool) else gguf.GGUFValueType.STRING
-        writer.add_key_value(key, value, vtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.close()
 
 
 def main() -> None:
