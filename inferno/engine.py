@@ -13,6 +13,7 @@ from inferno.errors import InfernoError
 from inferno.gguf_file import open_gguf
 from inferno.kv_cache import BasicKVCache, KVCache, create_kv_cache
 from inferno.model import Transformer
+from inferno.quant import MATMUL_MIN_ROWS
 from inferno.snapshot import model_fingerprint
 from inferno.tokenizer import GGUFTokenizer
 
@@ -88,7 +89,9 @@ def _read(path: str | os.PathLike) -> tuple[Transformer, GGUFTokenizer, str]:
 
 
 def warm_up(model: Transformer) -> None:
-    """Run every kernel once on two tokens so the first timed forward measures work, not compiling."""
-    cache = BasicKVCache(model.config.n_layers, model.config.kv_width, 3)
-    model.prefill(np.array([0, 1]), cache)
-    model.decode(2, 2, cache)
+    """Run every kernel once so the first timed forward measures work, not compiling: a prompt just
+    long enough to take prefill's BLAS path, then one decode step."""
+    n = MATMUL_MIN_ROWS
+    cache = BasicKVCache(model.config.n_layers, model.config.kv_width, n + 1)
+    model.prefill(np.arange(n), cache)
+    model.decode(n, n, cache)
