@@ -127,7 +127,7 @@ class QuantizedMatrix:
         for first in range(0, len(tiles), step):
             n = min(step, len(tiles) - first)
             w_t = _matmul_scratch[: self.cols * n * lanes].reshape(self.cols, n * lanes)
-            self._kernels.dequantize_transposed(tiles[first : first + n], w_t)
+            self._kernels.dequantize_transposed(tiles[first : first + n], w_t, numba.config.NUMBA_NUM_THREADS)
             m = min(n * lanes, rows - first * lanes)  # the last tile's padding rows are dropped
             np.matmul(x, w_t[:, :m], out=out[:, first * lanes : first * lanes + m])
         return out
@@ -593,14 +593,19 @@ def _kernels(kind: int) -> _Kernels:
             k += n
 
     @njit(cache=True, parallel=True)
-    def dequantize_transposed(tiles, out_t):
-        """out_t[col, t * lanes + lane] = element col of row lane of tile t: whole tiles, W.T for BLAS."""
-        cols, lanes = out_t.shape[0], tiles.shape[3]
-        for t in prange(tiles.shape[0]):
+    def dequantize_transposed(tiles, out_t, nchunks):
+        """out_t[col, t * lanes + lane] = element col of row lane of tile t: whole tiles, W.T for BLAS.
+        One run of tiles per thread, so each allocates its scratch once (a scratch per tile cost more
+        than the dequantization: each allocation of that size is a fresh mapping to fault in)."""
+        ntiles, cols, lanes = tiles.shape[0], out_t.shape[0], tiles.shape[3]
+        nchunks = min(ntiles, nchunks)
+        for c in prange(nchunks):
             scratch = np.empty((cols, lanes), np.float32)
-            _dequantize_tile(kind, tiles[t], 0, lanes, scratch)
-            for c in range(cols):
-                for r in range(lanes):
-                    out_t[c, t * lanes + r] = scratch[c, r]
+            for t in range(c * ntiles // nchunks, (c + 1) * ntiles // nchunks):
+                _dequantize_tile(kind, tiles[t], 0, lanes, scratch)
+                for col in range(cols):
+                    src, dst = scratch[col], out_t[col, t * lanes : (t + 1) * lanes]
+                    for r in range(lanes):
+                        dst[r] = src[r]
 
     return _Kernels(matvec, dequantize_rows, dequantize_transposed)
