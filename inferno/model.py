@@ -20,7 +20,7 @@ from inferno import kernels
 from inferno.config import ModelConfig
 from inferno.errors import InfernoError
 from inferno.kv_cache import KVCache
-from inferno.quant import QuantizedMatrix, tensor_to_float32
+from inferno.quant import MATMUL_MIN_ROWS, QuantizedMatrix, tensor_to_float32
 
 
 class Projections:
@@ -40,13 +40,14 @@ class Projections:
 
     def __call__(self, x: np.ndarray) -> list[np.ndarray]:
         """x [T, in] through every weight: one [T, out_i] array per weight, in the order given."""
-        if x.shape[0] > 1:
+        if x.shape[0] >= MATMUL_MIN_ROWS:
             return [self.matrices[m].matmul(x, part=p) for m, p in self._where]
-        outs = [m.matvec(x[0]) for m in self.matrices]  # decode: one call per stacked matrix
+        # Few rows (decode has one): one matvec per stacked matrix and row, then each weight's columns.
+        outs = [m.matmul(x) for m in self.matrices]
         views = []
         for m, p in self._where:
             first, n = self.matrices[m].parts[p]
-            views.append(outs[m][None, first : first + n])
+            views.append(np.ascontiguousarray(outs[m][:, first : first + n]))  # no copy for one row
         return views
 
 

@@ -117,7 +117,10 @@ class QuantizedMatrix:
         out = np.empty((x.shape[0], rows), np.float32)
         if x.shape[0] < MATMUL_MIN_ROWS:
             for i, v in enumerate(x):
-                out[i] = self.matvec(v)[start : start + rows]
+                if part is None:
+                    self.matvec(v, out[i])
+                else:
+                    out[i] = self.matvec(v)[start : start + rows]
             return out
         lanes = self._tiles.shape[3]
         tiles = self._tiles[start // lanes : (start + rows + lanes - 1) // lanes]
