@@ -139,12 +139,8 @@ class QuantizedMatrix:
         """float32[rows, cols], bit-identical to gguf.quants.dequantize."""
         return self.rows_at(np.arange(self.rows))
 
-    def row(self, i: int) -> np.ndarray:
-        """float32[cols]: row i dequantized (an embedding lookup)."""
-        return self.rows_at(np.array([i]))[0]
-
     def rows_at(self, ids: np.ndarray) -> np.ndarray:
-        """float32[len(ids), cols]: the rows `ids` dequantized."""
+        """float32[len(ids), cols]: the rows `ids` dequantized (an embedding lookup)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= self.rows):
             raise IndexError(f"{self.name}: row ids must be in [0, {self.rows})")

@@ -47,7 +47,7 @@ def set_threads(threads: int | None) -> None:
     """Cap every thread pool we use (Numba's and the BLAS behind numpy) at `threads`.
 
     Must run before numpy is imported for the BLAS limits to take effect. Idle OpenMP workers spin
-    only briefly before sleeping: a decode step launches ~200 parallel loops microseconds apart, so
+    only briefly before sleeping: a decode step launches over a hundred parallel loops microseconds apart, so
     sleeping at once (OMP_WAIT_POLICY=PASSIVE) made decode 1.4x slower on a quiet machine, while
     libgomp's default long spin made it up to 10x slower when other processes wanted the cores.
     """
