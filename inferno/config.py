@@ -8,6 +8,7 @@ from gguf import GGUFReader
 
 from inferno.errors import InfernoError
 from inferno.gguf_file import architecture, metadata
+from inferno.kv.geometry import KVGeometry
 
 # How each supported architecture differs from plain llama.
 # rope_neox: llama.cpp's converter permutes llama's q/k weights so RoPE rotates adjacent pairs
@@ -45,14 +46,8 @@ class ModelConfig:
         return self.n_heads * self.head_dim
 
     @property
-    def kv_width(self) -> int:
-        """Width of one token's K (or V) row: all KV heads side by side."""
-        return self.n_kv_heads * self.head_dim
-
-    @property
-    def group_size(self) -> int:
-        """Query heads sharing each KV head (grouped-query attention)."""
-        return self.n_heads // self.n_kv_heads
+    def kv_geometry(self) -> KVGeometry:
+        return KVGeometry(self.n_layers, self.n_kv_heads, self.n_heads, self.head_dim)
 
     @classmethod
     def from_gguf(cls, reader: GGUFReader) -> ModelConfig:

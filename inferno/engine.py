@@ -1,46 +1,54 @@
-"""A loaded model ready to run: weights, tokenizer, compiled kernels, and the cache it needs."""
+"""A loaded model ready to run: weights, tokenizer, compiled kernels, the cache a request needs, and
+the Python API the commands are thin users of:
+
+    engine = inferno.load("model.gguf")
+    for piece in engine.stream("Once upon a time", max_new_tokens=32, kv="prealloc"):
+        print(piece, end="")
+    run = engine.generate("Once upon a time", 32)     # a RunRecord: text, ids, metrics
+"""
 
 from __future__ import annotations
 
-import contextlib
 import os
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from time import perf_counter
 
 import numpy as np
 
 from inferno.config import ModelConfig
 from inferno.errors import InfernoError
+from inferno.generate import Generation, stream_generate
 from inferno.gguf_file import open_gguf
-from inferno.kv_cache import BasicKVCache, KVCache, create_kv_cache
+from inferno.kv import KVCache, make_cache
+from inferno.metrics import RunRecord, Startup
 from inferno.model import Transformer
 from inferno.quant import MATMUL_MIN_ROWS
+from inferno.sampling import Sampler
 from inferno.snapshot import model_fingerprint
-from inferno.tokenizer import GGUFTokenizer
+from inferno.tokenizer import GGUFTokenizer, StreamDecoder
+
+# progress("loading model.gguf") returns a context manager around that step (a spinner, a log line).
+Progress = Callable[[str], AbstractContextManager]
 
 
 class Engine:
-    def __init__(
-        self, model: Transformer, tokenizer: GGUFTokenizer, startup: dict[str, float], fingerprint: str
-    ):
+    def __init__(self, model: Transformer, tokenizer: GGUFTokenizer, startup: Startup, fingerprint: str,
+                 path: str = ""):
         self.model = model
         self.tokenizer = tokenizer
-        self.startup = startup  # load_ms, jit_ms
+        self.startup = startup
         self.fingerprint = fingerprint  # which model made a cache: snapshots are checked against it
+        self.path = path
 
     @property
     def config(self) -> ModelConfig:
         return self.model.config
 
     @classmethod
-    def load(cls, path: str | os.PathLike, status=None) -> Engine:
-        """Open the GGUF, map its weights, build its tokenizer and compile the kernels.
-
-        status: a rich Console to show progress on (None for quiet, as with --json).
-        """
-
-        def step(message: str):
-            return status.status(message) if status is not None else contextlib.nullcontext()
-
+    def load(cls, path: str | os.PathLike, progress: Progress | None = None) -> Engine:
+        """Open the GGUF, map its weights, build its tokenizer and compile the kernels."""
+        step = progress or (lambda _message: nullcontext())
         t0 = perf_counter()
         with step(f"loading {path}"):
             model, tokenizer, fingerprint = _read(path)
@@ -48,13 +56,13 @@ class Engine:
         with step("compiling kernels (cached on disk after the first run)"):
             warm_up(model)
         t2 = perf_counter()
-        startup = {"load_ms": (t1 - t0) * 1000, "jit_ms": (t2 - t1) * 1000}
-        return cls(model, tokenizer, startup, fingerprint)
+        startup = Startup(load_ms=(t1 - t0) * 1000, jit_ms=(t2 - t1) * 1000)
+        return cls(model, tokenizer, startup, fingerprint, str(path))
 
     def make_cache(
-        self, mode: str | None, prompt_tokens: int, new_tokens: int, max_context: int | None = None
+        self, kind: str | None, prompt_tokens: int, new_tokens: int, max_context: int | None = None
     ) -> KVCache | None:
-        """The cache for a request, refusing before any work a request that cannot fit."""
+        """The cache for a request (None: no cache), refusing before any work a request that cannot fit."""
         context = self.config.context_length
         needed = prompt_tokens + new_tokens
         if prompt_tokens == 0:
@@ -63,7 +71,7 @@ class Engine:
             raise InfernoError(
                 f"prompt of {prompt_tokens} tokens is longer than the model's context of {context}"
             )
-        if mode is None:
+        if kind is None:
             if needed > context:
                 raise InfernoError(
                     f"prompt of {prompt_tokens} tokens + {new_tokens} new tokens = {needed}, "
@@ -72,13 +80,78 @@ class Engine:
             return None
         capacity = max_context or needed
         if capacity > context:
-            raise InfernoError(f"--max-context {capacity} is more than the model's context of {context}")
+            raise InfernoError(
+                f"a cache of {capacity} tokens is more than the model's context of {context}"
+            )
         if needed > capacity:
             raise InfernoError(
                 f"prompt of {prompt_tokens} tokens + {new_tokens} new tokens = {needed}, "
-                f"more than --max-context {capacity}"
+                f"more than the cache's {capacity} tokens"
             )
-        return create_kv_cache(mode, self.config, capacity)
+        return make_cache(kind, self.config.kv_geometry, capacity)
+
+    # -- the Python API ------------------------------------------------------------------------
+
+    def prompt_text(self, prompt: str, chat: bool = False) -> str:
+        """What the tokenizer is given: the prompt, or with `chat` the model's chat template around it."""
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+
+    def start(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        kv: str | None = "prealloc",
+        sampler: Sampler | None = None,
+        max_context: int | None = None,
+        cache: KVCache | None = None,
+        ignore_eos: bool = False,
+    ) -> Iterator[Generation]:
+        """stream_generate on this model: the same live Generation after each new token.
+
+        cache: a cache already holding a prefix of prompt_ids (a loaded snapshot); else one of kind
+        `kv` is made for the request (None: no cache, the naive path).
+        """
+        if cache is None:
+            cache = self.make_cache(kv, len(prompt_ids), max_new_tokens, max_context)
+        is_stop = (lambda _: False) if ignore_eos else self.tokenizer.is_stop
+        return stream_generate(self.model, prompt_ids, max_new_tokens, sampler or Sampler(), cache, is_stop)
+
+    def stream(self, prompt: str, max_new_tokens: int = 32, chat: bool = False, **options) -> Iterator[str]:
+        """The generated text, piece by piece as tokens come (options: those of `start`)."""
+        decoder = StreamDecoder(self.tokenizer)
+        prompt_ids = self.tokenizer.encode(self.prompt_text(prompt, chat))
+        for generation in self.start(prompt_ids, max_new_tokens, **options):
+            yield decoder.add(generation.token_ids[-1])
+        yield decoder.flush()
+
+    def generate(self, prompt: str, max_new_tokens: int = 32, chat: bool = False, **options) -> RunRecord:
+        """Generate to the end and return the run's record: text, ids, metrics."""
+        text = self.prompt_text(prompt, chat)
+        t0 = perf_counter()
+        *_, generation = self.start(self.tokenizer.encode(text), max_new_tokens, **options)
+        return self.record(generation, text, (perf_counter() - t0) * 1000)
+
+    def record(
+        self, generation: Generation, prompt: str, wall_ms: float, load_cache_ms: float | None = None
+    ) -> RunRecord:
+        """The record of a finished (or interrupted) generation of `prompt` on this engine."""
+        return RunRecord(
+            model=self.path,
+            prompt=prompt,
+            prompt_ids=generation.prompt_ids,
+            token_ids=generation.token_ids,
+            text=self.tokenizer.decode(generation.token_ids),
+            finish_reason=generation.finish_reason,
+            metrics=generation.metrics,
+            startup=self.startup,
+            wall_ms=wall_ms,
+            load_cache_ms=load_cache_ms,
+        )
+
+
+def load(path: str | os.PathLike, progress: Progress | None = None) -> Engine:
+    """Load a GGUF model: `inferno.load("model.gguf")`."""
+    return Engine.load(path, progress)
 
 
 def _read(path: str | os.PathLike) -> tuple[Transformer, GGUFTokenizer, str]:
@@ -92,6 +165,6 @@ def warm_up(model: Transformer) -> None:
     """Run every kernel once so the first timed forward measures work, not compiling: a prompt just
     long enough to take prefill's BLAS path, then one decode step."""
     n = MATMUL_MIN_ROWS
-    cache = BasicKVCache(model.config.n_layers, model.config.kv_width, n + 1)
+    cache = make_cache("basic", model.config.kv_geometry, n + 1)
     model.prefill(np.arange(n), cache)
     model.decode(n, n, cache)

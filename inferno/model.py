@@ -19,8 +19,8 @@ from gguf import GGUFReader
 from inferno import kernels
 from inferno.config import ModelConfig
 from inferno.errors import InfernoError
-from inferno.kv_cache import KVCache
-from inferno.quant import MATMUL_MIN_ROWS, QuantizedMatrix, tensor_to_float32
+from inferno.kv import KVCache
+from inferno.quant import QuantizedMatrix, tensor_to_float32, uses_blas
 
 
 class Projections:
@@ -40,7 +40,7 @@ class Projections:
 
     def __call__(self, x: np.ndarray) -> list[np.ndarray]:
         """x [T, in] through every weight: one [T, out_i] array per weight, in the order given."""
-        if x.shape[0] >= MATMUL_MIN_ROWS:
+        if uses_blas(x.shape[0]):
             return [self.matrices[m].matmul(x, part=p) for m, p in self._where]
         # Few rows (decode has one): one matvec per stacked matrix and row, then each weight's columns.
         outs = [m.matmul(x) for m in self.matrices]
@@ -151,9 +151,8 @@ class Transformer:
             if queries is not None:
                 queries.append(q[0])
             cache.write(i, pos, k, v)
-            keys, values = cache.read(i, pos + 1)
-            attn = kernels.attention_decode(q[0], keys, values, c.n_heads)
-            x = x + _project(layer.wo, attn[None])
+            attn = cache.attend(i, q[0], pos + 1)
+            x = x + layer.wo.matmul(attn[None])
             x = x + self._mlp(layer, x)
         cache.commit(1)
         return self._logits(x)[0]
@@ -178,7 +177,7 @@ class Transformer:
                 cache.write(i, start, k, v)
                 k, v = cache.read(i, start + len(tokens))
             attn = kernels.attention_prefill(q, k, v, c.n_heads, start)
-            x = x + _project(layer.wo, attn)
+            x = x + layer.wo.matmul(attn)
             x = x + self._mlp(layer, x)
         if cache is not None:
             cache.commit(len(tokens))
@@ -200,14 +199,7 @@ class Transformer:
     def _mlp(self, layer: Layer, x: np.ndarray) -> np.ndarray:
         h = kernels.rmsnorm(x, layer.ffn_norm, self.config.rms_eps)
         gate, up = layer.gate_up(h)
-        return _project(layer.w_down, kernels.silu_gate(gate, up))
+        return layer.w_down.matmul(kernels.silu_gate(gate, up))
 
     def _logits(self, x: np.ndarray) -> np.ndarray:
-        return _project(self.output, kernels.rmsnorm(x, self.output_norm, self.config.rms_eps))
-
-
-def _project(w: QuantizedMatrix, x: np.ndarray) -> np.ndarray:
-    """x [T, in] @ W.T: a matrix-vector product for one row, BLAS matmul for many."""
-    if x.shape[0] == 1:
-        return w.matvec(x[0])[None]
-    return w.matmul(x)
+        return self.output.matmul(kernels.rmsnorm(x, self.output_norm, self.config.rms_eps))

@@ -52,6 +52,12 @@ Q4_K, Q5_K, Q6_K = int(QType.Q4_K), int(QType.Q5_K), int(QType.Q6_K)
 _matmul_scratch = np.empty(0, np.float32)  # grown on demand, shared by all matrices
 
 
+def uses_blas(n_rows: int) -> bool:
+    """The one decision between kernels: x of n_rows rows goes through BLAS matmul on dequantized
+    chunks, or through one matrix-vector product per row (decode, short prompts)."""
+    return n_rows >= MATMUL_MIN_ROWS
+
+
 class QuantizedMatrix:
     """A 2-D weight [rows=out_features, cols=in_features] kept in its GGUF block type."""
 
@@ -115,7 +121,7 @@ class QuantizedMatrix:
             raise ValueError(f"{self.name}: matmul needs x of shape (n, {self.cols}), got {x.shape}")
         start, rows = (0, self.rows) if part is None else self.parts[part]
         out = np.empty((x.shape[0], rows), np.float32)
-        if x.shape[0] < MATMUL_MIN_ROWS:
+        if not uses_blas(x.shape[0]):
             for i, v in enumerate(x):
                 if part is None:
                     self.matvec(v, out[i])

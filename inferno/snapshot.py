@@ -30,7 +30,7 @@ from safetensors.numpy import save
 
 from inferno.config import ModelConfig
 from inferno.errors import InfernoError
-from inferno.kv_cache import KVCache
+from inferno.kv import KVCache, KVGeometry
 
 FORMAT = "inferno-kv-snapshot"
 VERSION = 1
@@ -38,28 +38,7 @@ TENSORS = ("keys", "values", "token_ids")
 SAMPLE_BYTES = 64  # of each tensor's data in the fingerprint
 
 
-@dataclass(frozen=True)
-class Geometry:
-    """The shape of a model's KV cache."""
-
-    layers: int
-    kv_heads: int
-    heads: int
-    head_dim: int
-
-    @classmethod
-    def of(cls, config: ModelConfig) -> Geometry:
-        return cls(config.n_layers, config.n_kv_heads, config.n_heads, config.head_dim)
-
-    @property
-    def kv_width(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    def __str__(self) -> str:
-        return f"{self.layers} layers x {self.kv_heads} KV heads x head_dim {self.head_dim}"
-
-
-GEOMETRY_KEYS = tuple(field.name for field in fields(Geometry))
+GEOMETRY_KEYS = tuple(field.name for field in fields(KVGeometry))
 
 
 def model_fingerprint(reader: GGUFReader) -> str:
@@ -71,7 +50,7 @@ def model_fingerprint(reader: GGUFReader) -> str:
     """
     config = ModelConfig.from_gguf(reader)
     digest = hashlib.sha256()
-    digest.update(json.dumps([config.architecture, asdict(Geometry.of(config))]).encode())
+    digest.update(json.dumps([config.architecture, asdict(config.kv_geometry)]).encode())
     for tensor in reader.tensors:
         shape = [int(n) for n in tensor.shape]
         digest.update(f"\n{tensor.name} {shape} {tensor.tensor_type.name}\n".encode())
@@ -85,7 +64,7 @@ class Snapshot:
     values: np.ndarray
     token_ids: np.ndarray  # int32 [length]
     architecture: str
-    geometry: Geometry
+    geometry: KVGeometry
     fingerprint: str
 
     @property
@@ -115,7 +94,7 @@ class Snapshot:
             values=np.stack([v for _, v in rows]),
             token_ids=np.asarray(token_ids[: cache.length], dtype=np.int32),
             architecture=config.architecture,
-            geometry=Geometry.of(config),
+            geometry=config.kv_geometry,
             fingerprint=fingerprint,
         )
 
@@ -159,7 +138,7 @@ class Snapshot:
                 f"{path}: snapshot format version {meta.get('version')}, this inferno reads version {VERSION}"
             )
         try:
-            geometry = Geometry(**{name: int(meta[name]) for name in GEOMETRY_KEYS})
+            geometry = KVGeometry(**{name: int(meta[name]) for name in GEOMETRY_KEYS})
             architecture, fingerprint = meta["architecture"], meta["fingerprint"]
             checksum = meta["data_sha256"]
         except (KeyError, ValueError) as exc:
@@ -185,7 +164,7 @@ class Snapshot:
 
     def check_model(self, config: ModelConfig, fingerprint: str) -> None:
         """Refuse a model other than the one the snapshot was made with."""
-        arch, geometry = config.architecture, Geometry.of(config)
+        arch, geometry = config.architecture, config.kv_geometry
         if (self.architecture, self.geometry) != (arch, geometry):
             raise InfernoError(
                 f"the snapshot is from another model ({self.architecture}, {self.geometry}), "

@@ -21,7 +21,7 @@ LAYER = 5
 @pytest.fixture
 def kv_inspect(run_main, monkeypatch, engine, model_path):
     """kv-inspect in this process, with the session's engine instead of loading the model again."""
-    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, path, status=None: engine))
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, path, progress=None: engine))
     monkeypatch.setenv("NO_COLOR", "1")
     return lambda *args: run_main(main, PROG, *args)
 
@@ -125,7 +125,7 @@ def test_a_snapshot_is_inspected_without_the_model(run_main, engine, filled, tmp
         (("--layer", "30", "Hi"), ("--layer 30 does not exist", "0..29")),
         (("--layer", "-1", "Hi"), ("--layer -1 does not exist",)),
         (("--decode", "-1", "Hi"), ("--decode must be 0 or more",)),
-        (("--max-context", "2", PROMPT), ("more than --max-context 2",)),
+        (("--max-context", "2", PROMPT), ("more than the cache's 2 tokens", "--max-context 2")),
         (("",), ("prompt is empty",)),
         ((), ("missing PROMPT",)),
         (("missing.safetensors",), ("missing.safetensors: no such file",)),

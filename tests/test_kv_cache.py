@@ -7,16 +7,14 @@ import pytest
 
 from inferno.config import ModelConfig
 from inferno.errors import InfernoError
-from inferno.kv_cache import (
-    KV_CACHE_KINDS,
-    BasicKVCache,
-    KVCacheFullError,
-    PreallocKVCache,
-    create_kv_cache,
-)
+from inferno.kv import KINDS, KVCacheFullError, KVGeometry, make_cache
+from inferno.kv.basic import BasicKVCache
+from inferno.kv.prealloc import PreallocKVCache
 
 LAYERS, WIDTH = 3, 8
-KINDS = list(KV_CACHE_KINDS.values())
+GEOMETRY = KVGeometry(layers=LAYERS, kv_heads=2, heads=4, head_dim=WIDTH // 2)
+SMOLLM2 = KVGeometry(layers=30, kv_heads=3, heads=9, head_dim=64)
+CLASSES = list(KINDS.values())
 
 
 def rows(n: int, seed: int) -> np.ndarray:
@@ -35,9 +33,9 @@ def fill(cache, n: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
     return written
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CLASSES)
 def test_written_rows_read_back_exactly_in_order(kind):
-    cache = kind(LAYERS, WIDTH, capacity=10)
+    cache = kind(GEOMETRY, capacity=10)
     first = fill(cache, 4, seed=0)
     second = fill(cache, 1, seed=100)
     assert cache.length == 5
@@ -48,9 +46,9 @@ def test_written_rows_read_back_exactly_in_order(kind):
         np.testing.assert_array_equal(v, np.concatenate([first[layer][1], second[layer][1]]))
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CLASSES)
 def test_uncommitted_rows_are_invisible_until_every_layer_wrote(kind):
-    cache = kind(LAYERS, WIDTH, capacity=10)
+    cache = kind(GEOMETRY, capacity=10)
     fill(cache, 2)
     cache.write(0, 2, rows(1, 7), rows(1, 8))
     assert cache.read(0)[0].shape[0] == 2  # committed view excludes the half-written token
@@ -60,17 +58,17 @@ def test_uncommitted_rows_are_invisible_until_every_layer_wrote(kind):
     assert cache.length == 2
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CLASSES)
 def test_write_must_append(kind):
-    cache = kind(LAYERS, WIDTH, capacity=10)
+    cache = kind(GEOMETRY, capacity=10)
     fill(cache, 2)
     with pytest.raises(ValueError, match="not at 1"):
         cache.write(0, 1, rows(1, 0), rows(1, 1))
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CLASSES)
 def test_write_past_capacity_is_refused_and_changes_nothing(kind):
-    cache = kind(LAYERS, WIDTH, capacity=4)
+    cache = kind(GEOMETRY, capacity=4)
     fill(cache, 3)
     with pytest.raises(KVCacheFullError, match="sized for 4"):
         cache.write(0, 3, rows(2, 0), rows(2, 1))
@@ -85,9 +83,9 @@ def test_cache_full_is_a_user_facing_error():
     assert issubclass(KVCacheFullError, InfernoError)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CLASSES)
 def test_reset_forgets_tokens(kind):
-    cache = kind(LAYERS, WIDTH, capacity=6)
+    cache = kind(GEOMETRY, capacity=6)
     fill(cache, 5)
     cache.reset()
     assert cache.length == 0
@@ -97,7 +95,7 @@ def test_reset_forgets_tokens(kind):
 
 
 def test_prealloc_reset_keeps_its_buffers():
-    cache = PreallocKVCache(LAYERS, WIDTH, capacity=6)
+    cache = PreallocKVCache(GEOMETRY, capacity=6)
     buffers = cache.keys, cache.values
     fill(cache, 4)
     cache.reset()
@@ -106,7 +104,7 @@ def test_prealloc_reset_keeps_its_buffers():
 
 
 def test_prealloc_layout_and_memory_is_the_formula():
-    cache = PreallocKVCache(LAYERS, WIDTH, capacity=7)
+    cache = PreallocKVCache(GEOMETRY, capacity=7)
     assert cache.keys.shape == cache.values.shape == (LAYERS, 7, WIDTH)
     assert cache.keys.dtype == np.float32
     assert cache.nbytes == 2 * LAYERS * 7 * WIDTH * 4
@@ -122,7 +120,7 @@ def resident_bytes() -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux's /proc")
 def test_prealloc_memory_becomes_resident_only_as_rows_are_written():
-    cache = PreallocKVCache(30, 192, capacity=4096)  # SmolLM2's geometry: 180 MiB allocated
+    cache = PreallocKVCache(SMOLLM2, capacity=4096)  # SmolLM2's geometry: 180 MiB allocated
     before = resident_bytes()
     for layer in range(30):
         cache.write(layer, 0, np.ones((1, 192), np.float32), np.ones((1, 192), np.float32))
@@ -132,7 +130,7 @@ def test_prealloc_memory_becomes_resident_only_as_rows_are_written():
 
 
 def test_basic_memory_grows_with_length_by_the_formula():
-    cache = BasicKVCache(LAYERS, WIDTH, capacity=100)
+    cache = BasicKVCache(GEOMETRY, capacity=100)
     assert cache.nbytes == 0
     for length in (5, 6, 7):
         fill(cache, length - cache.length)
@@ -140,7 +138,7 @@ def test_basic_memory_grows_with_length_by_the_formula():
 
 
 def test_basic_copies_history_on_every_write():
-    cache = BasicKVCache(LAYERS, WIDTH, capacity=10)
+    cache = BasicKVCache(GEOMETRY, capacity=10)
     fill(cache, 2)
     before = cache.read(0)[0]
     fill(cache, 1)
@@ -156,13 +154,20 @@ CONFIG = ModelConfig(
 )
 
 
-@pytest.mark.parametrize("mode", ["basic", "prealloc"])
+@pytest.mark.parametrize("mode", list(KINDS))
 def test_factory_builds_each_kind_for_the_model(mode):
-    cache = create_kv_cache(mode, CONFIG, 32)
+    cache = make_cache(mode, CONFIG.kv_geometry, 32)
     assert cache.kind == mode
     assert (cache.n_layers, cache.kv_width, cache.capacity) == (4, 32, 32)
 
 
-def test_factory_refuses_unknown_mode_listing_valid_ones():
+def test_factory_refuses_unknown_kind_listing_valid_ones():
     with pytest.raises(InfernoError, match=r"'paged'.*basic, prealloc"):
-        create_kv_cache("paged", CONFIG, 32)
+        make_cache("paged", CONFIG.kv_geometry, 32)
+
+
+@pytest.mark.parametrize("kind", CLASSES)
+def test_planned_bytes_are_what_a_full_cache_holds(kind):
+    cache = kind(GEOMETRY, capacity=5)
+    fill(cache, 5)
+    assert cache.nbytes == kind.planned_nbytes(GEOMETRY, 5) == 2 * LAYERS * 5 * WIDTH * 4

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import FIXTURES
 
-from inferno.kv_cache import create_kv_cache
+from inferno.kv import make_cache
 
 NEW_TOKENS = 128
 TOLERANCE = 1e-4
@@ -34,7 +34,7 @@ def naive_run(request, engine):
 @pytest.mark.parametrize("mode", ["basic", "prealloc"])
 def test_cached_decoding_matches_the_naive_path(engine, naive_run, mode):
     prompt, naive_tokens, naive_logits = naive_run
-    cache = create_kv_cache(mode, engine.config, len(prompt) + NEW_TOKENS)
+    cache = make_cache(mode, engine.config.kv_geometry, len(prompt) + NEW_TOKENS)
     logits = engine.model.prefill(np.array(prompt), cache)
     tokens = []
     for step in range(NEW_TOKENS):
@@ -49,7 +49,7 @@ def test_cached_decoding_matches_the_naive_path(engine, naive_run, mode):
 
 
 def test_decode_refuses_a_position_the_cache_does_not_hold(engine):
-    cache = create_kv_cache("prealloc", engine.config, 8)
+    cache = make_cache("prealloc", engine.config.kv_geometry, 8)
     engine.model.prefill(np.array(SHORT), cache)
     with pytest.raises(ValueError, match="position 6"):
         engine.model.decode(42, 6, cache)
@@ -57,9 +57,9 @@ def test_decode_refuses_a_position_the_cache_does_not_hold(engine):
 
 def test_prefill_continues_after_cached_tokens(engine):
     """Prefilling a prompt in two pieces gives the logits of prefilling it whole."""
-    whole = create_kv_cache("prealloc", engine.config, len(LONG))
+    whole = make_cache("prealloc", engine.config.kv_geometry, len(LONG))
     want = engine.model.prefill(np.array(LONG), whole)
-    split = create_kv_cache("prealloc", engine.config, len(LONG))
+    split = make_cache("prealloc", engine.config.kv_geometry, len(LONG))
     engine.model.prefill(np.array(LONG[:300]), split)
     got = engine.model.prefill(np.array(LONG[300:]), split)
     np.testing.assert_allclose(got, want, rtol=0, atol=TOLERANCE)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import FIXTURES
 
-from inferno.kv_cache import create_kv_cache
+from inferno.kv import make_cache
 
 REFERENCE = json.loads((FIXTURES / "hf_smollm2.json").read_text())
 LOGITS = np.load(FIXTURES / "hf_smollm2.npz")
@@ -26,7 +26,7 @@ def prompt_ids(i: int) -> list[int]:
 
 def greedy(engine, ids: list[int], n: int, mode: str = "prealloc") -> tuple[list[int], list[np.ndarray]]:
     """n greedy tokens after ids with a cache, and the logits each was chosen from."""
-    cache = create_kv_cache(mode, engine.config, len(ids) + n)
+    cache = make_cache(mode, engine.config.kv_geometry, len(ids) + n)
     logits = engine.model.prefill(np.array(ids), cache)
     out, seen = [], []
     for _ in range(n):

@@ -16,7 +16,7 @@ from inferno.engine import Engine
 from inferno.errors import InfernoError
 from inferno.generate import generate
 from inferno.gguf_file import open_gguf
-from inferno.kv_cache import KV_CACHE_KINDS, create_kv_cache
+from inferno.kv import KINDS, make_cache
 from inferno.sampling import Sampler
 from inferno.snapshot import Snapshot, model_fingerprint
 
@@ -28,7 +28,7 @@ PROMPT_IDS = [6403, 1980, 253, 655]
 @pytest.fixture
 def loaded_once(monkeypatch, engine):
     """The CLIs get the session's engine instead of loading the model again (seconds per run)."""
-    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, path, status=None: engine))
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, path, progress=None: engine))
     return engine
 
 
@@ -79,8 +79,8 @@ def test_round_trip_is_bit_exact_and_restores_into_every_cache_kind(engine, tmp_
     assert loaded.token_ids.dtype == np.int32 and loaded.keys.dtype == np.float32
     assert loaded.keys.shape == loaded.values.shape == (30, 8, 192)
     assert (loaded.architecture, loaded.fingerprint) == ("llama", engine.fingerprint)
-    for kind in KV_CACHE_KINDS:
-        restored = create_kv_cache(kind, engine.config, 12)
+    for kind in KINDS:
+        restored = make_cache(kind, engine.config.kv_geometry, 12)
         assert loaded.restore(restored, [*run_ids[:8], 42]) == 8
         for layer in range(30):
             for ours, theirs in zip(restored.read(layer), cache.read(layer), strict=True):

@@ -12,7 +12,7 @@ import pytest
 from conftest import FIXTURES
 
 from inferno.gguf_file import open_gguf
-from inferno.kv_cache import create_kv_cache
+from inferno.kv import make_cache
 from inferno.model import Transformer
 
 ARCHS = ["llama", "qwen2", "qwen3"]
@@ -31,7 +31,7 @@ def test_every_position_matches_hf_through_prefill_and_decode(tiny, seq):
     """Prefill the first token, then decode the rest one by one: each step's logits are HF's row."""
     model, ref = tiny
     ids, want = ref[f"ids_{seq}"].tolist(), ref[f"logits_{seq}"]
-    cache = create_kv_cache("prealloc", model.config, len(ids))
+    cache = make_cache("prealloc", model.config.kv_geometry, len(ids))
     got = [model.prefill(np.array(ids[:1]), cache)]
     got += [model.decode(token, pos, cache) for pos, token in enumerate(ids[1:], start=1)]
     np.testing.assert_allclose(np.array(got), want, rtol=0, atol=TOLERANCE)
@@ -42,7 +42,7 @@ def test_naive_forward_and_prefill_match_hf_on_the_last_position(tiny, seq):
     model, ref = tiny
     ids, want = ref[f"ids_{seq}"], ref[f"logits_{seq}"][-1]
     np.testing.assert_allclose(model.forward(ids), want, rtol=0, atol=TOLERANCE)
-    cache = create_kv_cache("basic", model.config, len(ids))
+    cache = make_cache("basic", model.config.kv_geometry, len(ids))
     np.testing.assert_allclose(model.prefill(ids, cache), want, rtol=0, atol=TOLERANCE)
 
 
@@ -50,7 +50,7 @@ def test_naive_forward_and_prefill_match_hf_on_the_last_position(tiny, seq):
 def test_greedy_continuation_matches_hf(tiny, seq):
     model, ref = tiny
     ids, want = ref[f"ids_{seq}"].tolist(), ref[f"continuation_{seq}"].tolist()
-    cache = create_kv_cache("prealloc", model.config, len(ids) + len(want))
+    cache = make_cache("prealloc", model.config.kv_geometry, len(ids) + len(want))
     logits = model.prefill(np.array(ids), cache)
     tokens = [int(np.argmax(logits))]
     while len(tokens) < len(want):

@@ -1,9 +1,13 @@
-"""What every inferno command shares: one-line errors with exit code 2, consoles, threads."""
+"""What every inferno command shares: one-line errors with exit code 2, consoles, threads, the default
+model and how a positional argument is recognised as one."""
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
 from typing import NoReturn
 
 import click
@@ -11,6 +15,7 @@ import click
 from inferno.errors import InfernoError
 
 EXIT_BAD_INPUT = 2
+DEFAULT_MODEL = Path("models") / "SmolLM2-135M-Instruct.Q4_1.gguf"  # relative to a checkout
 
 
 def fail(prog: str, message: str) -> NoReturn:
@@ -40,30 +45,60 @@ def run(command: click.Command, prog: str) -> None:
         sys.exit(0)
 
 
+@contextmanager
+def blame(flag: str, value: object) -> Iterator[None]:
+    """Library errors name values, not flags: inside this block, one about a value the user set with
+    `flag` says so (nothing is added when the flag was not given)."""
+    try:
+        yield
+    except InfernoError as bad:
+        if value is None:
+            raise
+        raise InfernoError(f"{bad} ({flag} {value})") from None
+
+
+def default_model() -> Path:
+    """$INFERNO_MODEL, else models/ in the working directory, else models/ of this checkout."""
+    if os.environ.get("INFERNO_MODEL"):
+        return Path(os.environ["INFERNO_MODEL"])
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        if (root / DEFAULT_MODEL).is_file():
+            return root / DEFAULT_MODEL
+    raise InfernoError(
+        f"no model given and the default model is not at {DEFAULT_MODEL}: "
+        "fetch it with `make model` (bin/fetch-model), or pass a .gguf path"
+    )
+
+
+def looks_like_model(arg: str) -> bool:
+    return arg.endswith(".gguf") or os.path.isfile(arg)
+
+
 SPIN_COUNT = "1000"  # busy-wait iterations (a few microseconds) before an idle worker sleeps
 
 
 def set_threads(threads: int | None) -> None:
     """Cap every thread pool we use (Numba's and the BLAS behind numpy) at `threads`.
 
-    Must run before numpy is imported for the BLAS limits to take effect. Idle OpenMP workers spin
-    only briefly before sleeping: a decode step launches over a hundred parallel loops microseconds apart, so
-    sleeping at once (OMP_WAIT_POLICY=PASSIVE) made decode 1.4x slower on a quiet machine, while
-    libgomp's default long spin made it up to 10x slower when other processes wanted the cores.
+    Works whenever it is called: the BLAS limit goes through threadpoolctl to the library numpy has
+    already loaded. Idle OpenMP workers spin only briefly before sleeping: a decode step launches over
+    a hundred parallel loops microseconds apart, so sleeping at once (OMP_WAIT_POLICY=PASSIVE) made
+    decode 1.4x slower on a quiet machine, while libgomp's default long spin made it up to 10x slower
+    when other processes wanted the cores.
     """
     os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
     if threads is None:
         return
     if threads < 1:
         raise InfernoError(f"--threads must be at least 1, got {threads}")
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ[var] = str(threads)
     import numba
+    from threadpoolctl import threadpool_limits
 
     available = numba.config.NUMBA_NUM_THREADS
     if threads > available:
         raise InfernoError(f"--threads {threads} is more than the {available} this machine has")
     numba.set_num_threads(threads)
+    threadpool_limits(threads)
 
 
 def console(stderr: bool = False):
@@ -71,3 +106,14 @@ def console(stderr: bool = False):
     from rich.console import Console
 
     return Console(stderr=stderr, highlight=False)
+
+
+def progress_on(console) -> Callable[[str], AbstractContextManager] | None:
+    """Engine.load's progress callback showing each step as a spinner on `console` (None: quiet)."""
+    if console is None:
+        return None
+
+    def step(message: str) -> AbstractContextManager:
+        return console.status(message)
+
+    return step

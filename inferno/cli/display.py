@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 from rich.table import Table
 
+from inferno.metrics import RunRecord
+
 BARS = "▁▂▃▄▅▆▇█"
 
 
@@ -33,31 +35,39 @@ def fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def metrics_panel(m: dict) -> Table:
+def metrics_panel(run: RunRecord) -> Table:
     """The Metrics block model-generate prints after the text."""
     table = Table(title="Metrics", show_header=False, title_justify="left", box=None, padding=(0, 2))
     table.add_column(style="bold")
     table.add_column()
-    forwards = m["per_forward_ms"]
-    decode_tok_s = f"{m['decode_tok_s']:.1f}" if m["decode_tok_s"] else "n/a (one token)"
-    tpot = f"{m['tpot_ms']:.2f} ms" if m["tpot_ms"] else "n/a"
+    m = run.metrics
+    forwards = m.per_forward_ms
+    decode_tok_s = f"{m.decode_tok_s:.1f}" if m.decode_tok_s else "n/a (one token)"
+    tpot = f"{m.tpot_ms:.2f} ms" if m.tpot_ms else "n/a"
     cache = (
-        f"{m['cache']}: {fmt_bytes(m['cache_bytes'])} for {m['cache_capacity']} tokens"
-        if m["cache"]
+        f"{m.cache}: {fmt_bytes(m.cache_bytes)} for {m.cache_capacity} tokens"
+        if m.cache
         else "off (every step reruns the whole sequence)"
     )
+    prefill = f"prefill {m.prefill_tok_s:.0f} tok/s" if m.prefill_tok_s else "no forward finished"
     rows = [
         ("KV cache", cache),
-        ("tokens", f"{m['prompt_tokens']} prompt ({m['prefilled_tokens']} prefilled), "
-                   f"{m['generated_tokens']} new"),
-        ("time to first token", f"{m['ttft_ms']:.1f} ms  (prefill {m['prefill_tok_s']:.0f} tok/s)"),
+        ("tokens", f"{m.prompt_tokens} prompt ({m.prefilled_tokens} prefilled), {m.generated_tokens} new"),
+        ("time to first token", f"{m.ttft_ms:.1f} ms  ({prefill})"),
         ("decode", f"{decode_tok_s} tok/s, {tpot} per output token"),
-        ("per forward", f"min {m['forward_ms_min']:.2f}  max {m['forward_ms_max']:.2f}  "
-                        f"mean {m['forward_ms_mean']:.2f} ms over {len(forwards)}"),
-        ("decode forwards", sparkline(forwards[1:]) or "none"),
-        ("every forward (ms)", " ".join(f"{f:.1f}" for f in forwards)),
-        ("startup", f"load {m['load_ms']:.0f} ms, kernels {m['jit_ms']:.0f} ms, run {m['wall_ms']:.0f} ms"),
     ]
+    if forwards:
+        rows += [
+            ("per forward", f"min {min(forwards):.2f}  max {max(forwards):.2f}  "
+                            f"mean {sum(forwards) / len(forwards):.2f} ms over {len(forwards)}"),
+            ("decode forwards", sparkline(forwards[1:]) or "none"),
+            ("every forward (ms)", " ".join(f"{f:.1f}" for f in forwards)),
+        ]
+    startup = f"load {run.startup.load_ms:.0f} ms, kernels {run.startup.jit_ms:.0f} ms, "
+    startup += f"run {run.wall_ms:.0f} ms"
+    if run.load_cache_ms is not None:
+        startup += f", snapshot {run.load_cache_ms:.0f} ms"
+    rows.append(("startup", startup))
     for name, value in rows:
         table.add_row(name, value)
     return table

@@ -10,30 +10,12 @@ from time import perf_counter
 
 import click
 
-from inferno.cli.common import console, run, set_threads
+from inferno.cli.common import blame, console, default_model, looks_like_model, progress_on, run, set_threads
 from inferno.errors import InfernoError
+from inferno.kv import KINDS
 
 PROG = "model-generate"
-DEFAULT_MODEL = Path("models") / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NEW_TOKENS = 32
-KV_MODES = ("basic", "prealloc")
-
-
-def default_model() -> Path:
-    """$INFERNO_MODEL, else models/ in the working directory, else models/ of this checkout."""
-    if os.environ.get("INFERNO_MODEL"):
-        return Path(os.environ["INFERNO_MODEL"])
-    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
-        if (root / DEFAULT_MODEL).is_file():
-            return root / DEFAULT_MODEL
-    raise InfernoError(
-        f"no model given and the default model is not at {DEFAULT_MODEL}: "
-        "fetch it with `make model` (bin/fetch-model), or pass a .gguf path"
-    )
-
-
-def looks_like_model(arg: str) -> bool:
-    return arg.endswith(".gguf") or os.path.isfile(arg)
 
 
 def split_positionals(args: tuple[str, ...], prompt: str | None = None) -> tuple[Path | None, str, int]:
@@ -80,7 +62,7 @@ def _kv_alone_means_basic(argv: list[str]) -> list[str]:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("args", nargs=-1, metavar="[MODEL.gguf] PROMPT [MAX_NEW_TOKENS]")
 @click.option("--kv", "kv", default=None, metavar="MODE",
-              help=f"KV cache: {' | '.join(KV_MODES)} (--kv alone: basic). Without it: no cache.")
+              help=f"KV cache: {' | '.join(KINDS)} (--kv alone: basic). Without it: no cache.")
 @click.option("--max-context", type=int, default=None,
               help="Tokens the cache is sized for (default: prompt + new tokens).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
@@ -108,8 +90,8 @@ def command(args, kv, max_context, chat, temperature, top_k, top_p, seed, ignore
     model_path, prompt, max_new = split_positionals(args, file_prompt)
     if max_new < 1:
         raise InfernoError(f"MAX_NEW_TOKENS must be at least 1, got {max_new}")
-    if kv is not None and kv not in KV_MODES:
-        raise InfernoError(f"unknown KV cache mode {kv!r} (valid: {', '.join(KV_MODES)})")
+    if kv is not None and kv not in KINDS:
+        raise InfernoError(f"unknown KV cache mode {kv!r} (valid: {', '.join(KINDS)})")
     if max_context is not None and max_context < 1:
         raise InfernoError(f"--max-context must be at least 1, got {max_context}")
     if save_cache and load_cache and Path(save_cache).resolve() == Path(load_cache).resolve():
@@ -125,11 +107,11 @@ def command(args, kv, max_context, chat, temperature, top_k, top_p, seed, ignore
     from inferno.snapshot import Snapshot
 
     err = console(stderr=True)
-    engine = Engine.load(model_path, status=None if as_json else err)
-    tok = engine.tokenizer
-    text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-    prompt_ids = tok.encode(text)
-    cache = engine.make_cache(kv, len(prompt_ids), max_new, max_context)
+    engine = Engine.load(model_path, progress=None if as_json else progress_on(err))
+    text = engine.prompt_text(prompt, chat)
+    prompt_ids = engine.tokenizer.encode(text)
+    with blame("--max-context", max_context):
+        cache = engine.make_cache(kv, len(prompt_ids), max_new, max_context)
     load_cache_ms = None
     if load_cache:
         t = perf_counter()
@@ -138,33 +120,30 @@ def command(args, kv, max_context, chat, temperature, top_k, top_p, seed, ignore
         snapshot.restore(cache, prompt_ids)
         load_cache_ms = (perf_counter() - t) * 1000
 
-    from inferno.generate import generate
     from inferno.tokenizer import StreamDecoder
 
     out = console()
-    stream = StreamDecoder(tok)
-    on_token = (lambda _: None) if as_json else (lambda t: print(stream.add(t), end="", flush=True))
+    stream = StreamDecoder(engine.tokenizer)
     if not as_json:
-        out.print(prompt, style="dim", end="")
+        out.print(prompt, style="dim", end="", markup=False)
     t0 = perf_counter()
-    result = generate(engine.model, prompt_ids, max_new, sampler, cache=cache,
-                      is_stop=(lambda _: False) if ignore_eos else tok.is_stop, on_token=on_token)
-    wall_ms = (perf_counter() - t0) * 1000
+    steps = engine.start(prompt_ids, max_new, kv=kv, sampler=sampler, cache=cache, ignore_eos=ignore_eos)
+    for generation in steps:
+        if not as_json:
+            print(stream.add(generation.token_ids[-1]), end="", flush=True)
+    record = engine.record(generation, text, (perf_counter() - t0) * 1000, load_cache_ms)
     if save_cache:
-        run_ids = prompt_ids + result.token_ids
-        Snapshot.from_cache(cache, run_ids, engine.config, engine.fingerprint).save(save_cache)
-    metrics = result.metrics.to_dict() | {"wall_ms": wall_ms, "load_cache_ms": load_cache_ms,
-                                          **engine.startup}
+        Snapshot.from_cache(cache, prompt_ids + record.token_ids, engine.config, engine.fingerprint).save(
+            save_cache
+        )
     if as_json:
-        json.dump({"model": str(model_path), "prompt": text, "prompt_ids": prompt_ids,
-                   "token_ids": result.token_ids, "text": tok.decode(result.token_ids),
-                   "metrics": metrics}, sys.stdout)
+        json.dump(record.to_json(), sys.stdout)
         print()
         return
     print(stream.flush(), flush=True)
     from inferno.cli.display import metrics_panel
 
-    out.print(metrics_panel(metrics))
+    out.print(metrics_panel(record))
 
 
 def main() -> None:

@@ -19,12 +19,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from inferno.cli.common import console, run, set_threads
+from inferno.cli.common import blame, console, default_model, looks_like_model, progress_on, run, set_threads
 from inferno.cli.display import fmt_bytes
 from inferno.errors import InfernoError
 from inferno.gguf_file import GGUF_MAGIC
-from inferno.kv_cache import KVCache
-from inferno.snapshot import Geometry, Snapshot
+from inferno.kv import KVCache, KVGeometry
+from inferno.snapshot import Snapshot
 
 if TYPE_CHECKING:
     from inferno.engine import Engine  # loading it pulls in the model and its kernels
@@ -52,7 +52,8 @@ def fill_cache(
 
     The last token goes through decode, which hands over each layer's query row after RoPE.
     """
-    cache = engine.make_cache("prealloc", len(prompt_ids), n_decode, max_context)
+    with blame("--max-context", max_context):
+        cache = engine.make_cache("prealloc", len(prompt_ids), n_decode, max_context)
     model, ids = engine.model, list(prompt_ids)
     if len(ids) > 1:
         model.prefill(np.array(ids[:-1]), cache)
@@ -72,7 +73,7 @@ def mean_norms(rows: np.ndarray, kv_heads: int) -> list[list[float]]:
     return np.linalg.norm(heads, axis=-1).mean(axis=1).tolist()
 
 
-def attention_weights(query: np.ndarray, keys: np.ndarray, geometry: Geometry) -> np.ndarray:
+def attention_weights(query: np.ndarray, keys: np.ndarray, geometry: KVGeometry) -> np.ndarray:
     """softmax(q . k / sqrt(head_dim)) of each query head over all positions: [heads, length].
 
     Query head h reads KV head h // (heads / kv_heads), as grouped-query attention does.
@@ -106,7 +107,7 @@ def build_report(
         "k_after_rope": True,
         "length": snapshot.length,
         "capacity": capacity,
-        "bytes_per_token": 2 * g.layers * g.kv_width * snapshot.keys.itemsize,
+        "bytes_per_token": g.nbytes(1, snapshot.keys.itemsize),
         "bytes_used": snapshot.nbytes,
         "bytes_allocated": bytes_allocated,
         "tokens": tokens,
@@ -126,7 +127,7 @@ def inspect_model(
     """Load the model, fill a cache with the prompt and report on it (status: where to show progress)."""
     from inferno.engine import Engine
 
-    engine = Engine.load(model_path, status=status)
+    engine = Engine.load(model_path, progress=progress_on(status))
     layers = engine.config.n_layers
     if layer is not None and not 0 <= layer < layers:
         raise InfernoError(f"--layer {layer} does not exist: the model has layers 0..{layers - 1}")
@@ -145,8 +146,6 @@ def inspect_model(
 
 def split_args(args: tuple[str, ...]) -> tuple[Path | None, str]:
     """[MODEL.gguf] PROMPT."""
-    from inferno.cli.generate import looks_like_model
-
     if not args or (len(args) == 1 and looks_like_model(args[0])):
         raise click.UsageError("missing PROMPT (or a snapshot file to inspect)")
     if len(args) > 2:
@@ -182,8 +181,6 @@ def command(args, n_decode, layer, max_context, threads, as_json):
         snapshot = Snapshot.load(args[0])
         report = {"snapshot": args[0]} | build_report(snapshot, snapshot.length, snapshot.nbytes, None)
     else:
-        from inferno.cli.generate import default_model
-
         model_path, prompt = split_args(args)
         status = None if as_json else console(stderr=True)
         report = inspect_model(model_path or default_model(), prompt, n_decode, layer, max_context, status)

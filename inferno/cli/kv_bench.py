@@ -7,11 +7,12 @@ import sys
 
 import click
 
-from inferno.cli.common import console, run, set_threads
+from inferno.cli.common import console, default_model, progress_on, run, set_threads
 from inferno.errors import InfernoError
+from inferno.kv import KINDS
 
 PROG = "kv-bench"
-MODES = ("off", "basic", "prealloc")
+MODES = ("off", *KINDS)
 
 
 def bench(engine, prompt_ids: list[int], new_tokens: int, modes: tuple[str, ...]) -> dict:
@@ -24,7 +25,7 @@ def bench(engine, prompt_ids: list[int], new_tokens: int, modes: tuple[str, ...]
         kind = None if mode == "off" else mode
         cache = engine.make_cache(kind, len(prompt_ids), new_tokens)
         done = generate(engine.model, prompt_ids, new_tokens, Sampler(), cache=cache)
-        results[mode] = {"token_ids": done.token_ids, "metrics": done.metrics.to_dict()}
+        results[mode] = {"token_ids": done.token_ids, "metrics": done.metrics.to_json()}
     return results
 
 
@@ -61,11 +62,10 @@ def command(model, prompt, new_tokens, modes, window, threads, as_json):
         raise InfernoError(f"unknown mode {','.join(unknown) or '(none)'} (valid: {', '.join(MODES)})")
     if new_tokens < 2:
         raise InfernoError(f"--new-tokens must be at least 2, got {new_tokens}")
-    from inferno.cli.generate import default_model
     from inferno.engine import Engine
 
     err = console(stderr=True)
-    engine = Engine.load(model or default_model(), status=None if as_json else err)
+    engine = Engine.load(model or default_model(), progress=None if as_json else progress_on(err))
     prompt_ids = engine.tokenizer.encode(prompt)
     results = bench(engine, prompt_ids, new_tokens, chosen)
     rows = {mode: summary_row(r["metrics"], window) for mode, r in results.items()}

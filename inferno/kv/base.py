@@ -1,0 +1,135 @@
+"""The KV cache protocol every kind implements.
+
+Every layer's attention needs the keys and values of all earlier tokens. A cache keeps them so a
+decode step computes K and V for its one new token only. K is stored after RoPE, so a cached row
+never needs rotating again.
+
+Writing is two-phase: `write` puts a layer's rows at an explicit position, and `commit` advances the
+committed `length` once every layer has written them, so a half-written token is never visible to
+a reader of the committed state (`read` with no end, snapshots, `kv-inspect`).
+
+A kind implements `_store`, `_rows`, `_clear` and `nbytes` (and `planned_nbytes`, what it allocates for
+a capacity, which kv-memcalc prints); `attend` is the decode step's attention over the cache, which a
+kind storing rows in another element type can compute on its own rows.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import numpy as np
+
+from inferno import kernels
+from inferno.errors import InfernoError
+from inferno.kv.geometry import KVGeometry
+
+
+class KVCacheFullError(InfernoError):
+    """A write would go past the cache's capacity; nothing is ever wrapped around or dropped."""
+
+
+class KVCache(ABC):
+    """Keys and values of every layer, rows [token, kv_width] in float32."""
+
+    kind: ClassVar[str]
+
+    def __init__(self, geometry: KVGeometry, capacity: int):
+        if capacity < 1:
+            raise InfernoError(f"a KV cache needs room for at least one token, got {capacity}")
+        self.geometry = geometry
+        self.capacity = capacity
+        self.length = 0  # committed tokens
+        self._written = [0] * geometry.layers  # rows each layer holds, committed or not
+
+    @property
+    def n_layers(self) -> int:
+        return self.geometry.layers
+
+    @property
+    def kv_width(self) -> int:
+        return self.geometry.kv_width
+
+    @classmethod
+    @abstractmethod
+    def planned_nbytes(cls, geometry: KVGeometry, capacity: int) -> int:
+        """Bytes a cache of this kind holds for keys and values when `capacity` tokens are in it."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes held for keys and values right now."""
+
+    @abstractmethod
+    def _store(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None: ...
+
+    @abstractmethod
+    def _rows(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]: ...
+
+    @abstractmethod
+    def _clear(self) -> None: ...
+
+    def write(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store rows k, v [n, kv_width] of `layer` at positions pos .. pos + n - 1."""
+        n = k.shape[0]
+        if pos + n > self.capacity:
+            raise KVCacheFullError(
+                f"KV cache is full: {n} token(s) at position {pos} need {pos + n} slots, "
+                f"it was sized for {self.capacity}"
+            )
+        if pos != self._written[layer]:
+            held = self._written[layer]
+            raise ValueError(f"layer {layer} holds {held} rows; rows go at the end, not at {pos}")
+        self._store(layer, pos, k, v)
+        self._written[layer] = pos + n
+
+    def commit(self, n_tokens: int) -> None:
+        """Make the last n_tokens visible; every layer must have written them."""
+        target = self.length + n_tokens
+        if any(written != target for written in self._written):
+            raise ValueError(f"commit of {n_tokens} token(s) before every layer wrote them: {self._written}")
+        self.length = target
+
+    def read(self, layer: int, end: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values of positions 0 .. end - 1 (default: the committed length).
+
+        The model reads past the committed length only for the token it is writing right now.
+        """
+        end = self.length if end is None else end
+        if end > self._written[layer]:
+            raise ValueError(f"layer {layer} holds {self._written[layer]} rows, {end} asked for")
+        return self._rows(layer, end)
+
+    def layer_length(self, layer: int) -> int:
+        """Rows `layer` holds, committed or not (the committed count of every layer is `length`)."""
+        return self._written[layer]
+
+    def head_rows(self, layer: int, head: int, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """K and V of one KV head at committed positions start .. end - 1: float32 [end - start, head_dim].
+
+        Bounds are checked against what is committed, so a reader never sees a stale or half-written row.
+        """
+        g = self.geometry
+        if not 0 <= layer < g.layers:
+            raise IndexError(f"layer {layer} does not exist: the cache has layers 0..{g.layers - 1}")
+        if not 0 <= head < g.kv_heads:
+            raise IndexError(f"KV head {head} does not exist: the cache has KV heads 0..{g.kv_heads - 1}")
+        if not 0 <= start <= end <= self.length:
+            raise IndexError(f"positions {start}..{end} are outside the {self.length} committed")
+        keys, values = self.read(layer, end)
+        cols = slice(head * g.head_dim, (head + 1) * g.head_dim)
+        return keys[start:end, cols], values[start:end, cols]
+
+    def attend(self, layer: int, query: np.ndarray, end: int) -> np.ndarray:
+        """One query row [heads * head_dim] attending over positions 0 .. end - 1 of `layer`."""
+        keys, values = self.read(layer, end)
+        return kernels.attention_decode(query, keys, values, self.geometry.heads)
+
+    def reset(self) -> None:
+        """Forget every token (memory is kept where the kind allows it)."""
+        self.length = 0
+        self._written = [0] * self.n_layers
+        self._clear()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(length={self.length}, capacity={self.capacity}, nbytes={self.nbytes})"

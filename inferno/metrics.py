@@ -1,0 +1,100 @@
+"""What a run cost and produced, as typed records: the text view renders them and `--json` serialises
+them (`RunRecord.to_json`), so the two can never disagree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SCHEMA_VERSION = 1  # of RunRecord.to_json(); bumped when a key changes meaning or goes away
+
+
+@dataclass(frozen=True)
+class Startup:
+    load_ms: float  # parsing the GGUF, repacking weights, building the tokenizer
+    jit_ms: float  # compiling (first run) or loading (later runs) the kernels
+
+
+@dataclass
+class Metrics:
+    """Per-forward timings of one generation. per_forward_ms[0] is the prefill (or, with no cache,
+    the first full forward); the others are decode steps."""
+
+    prompt_tokens: int
+    prefilled_tokens: int  # fewer than prompt_tokens when a loaded cache already held the rest
+    generated_tokens: int = 0
+    per_forward_ms: list[float] = field(default_factory=list)
+    ttft_ms: float = 0.0
+    decode_ms: float = 0.0  # from the first token out to the last
+    cache: str | None = None  # the cache kind, None without a cache
+    cache_bytes: int = 0
+    cache_capacity: int = 0
+
+    @property
+    def prefill_ms(self) -> float | None:
+        return self.per_forward_ms[0] if self.per_forward_ms else None
+
+    @property
+    def prefill_tok_s(self) -> float | None:
+        ms = self.prefill_ms
+        return self.prefilled_tokens / (ms / 1000) if ms else None
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Time per output token after the first."""
+        steps = self.generated_tokens - 1
+        return self.decode_ms / steps if steps > 0 else None
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        tpot = self.tpot_ms
+        return 1000 / tpot if tpot else None
+
+    def to_json(self) -> dict:
+        forwards = self.per_forward_ms
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "prefilled_tokens": self.prefilled_tokens,
+            "generated_tokens": self.generated_tokens,
+            "ttft_ms": self.ttft_ms,
+            "prefill_ms": self.prefill_ms,
+            "prefill_tok_s": self.prefill_tok_s,
+            "decode_tok_s": self.decode_tok_s,
+            "tpot_ms": self.tpot_ms,
+            "per_forward_ms": forwards,
+            "forward_ms_min": min(forwards, default=None),
+            "forward_ms_max": max(forwards, default=None),
+            "forward_ms_mean": sum(forwards) / len(forwards) if forwards else None,
+            "cache": self.cache,
+            "cache_bytes": self.cache_bytes,
+            "cache_capacity": self.cache_capacity,
+        }
+
+
+@dataclass
+class RunRecord:
+    """One model-generate run: everything its text view shows and its `--json` prints."""
+
+    model: str
+    prompt: str  # the text given to the tokenizer (after the chat template, with --chat)
+    prompt_ids: list[int]
+    token_ids: list[int]  # generated only
+    text: str  # of token_ids
+    finish_reason: str | None  # "stop" (end of sequence), "length" (max tokens), "interrupted"
+    metrics: Metrics
+    startup: Startup
+    wall_ms: float  # generating, from the prompt's first forward to the last token
+    load_cache_ms: float | None = None  # reading a --load-cache snapshot
+
+    def to_json(self) -> dict:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "model": self.model,
+            "prompt": self.prompt,
+            "prompt_ids": self.prompt_ids,
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "metrics": self.metrics.to_json()
+            | {"wall_ms": self.wall_ms, "load_cache_ms": self.load_cache_ms,
+               "load_ms": self.startup.load_ms, "jit_ms": self.startup.jit_ms},
+        }
