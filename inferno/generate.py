@@ -22,6 +22,7 @@ class Generation:
     token_ids: list[int]  # generated so far
     metrics: Metrics
     finish_reason: str | None = None  # set when it ends: "stop" or "length" (callers add "interrupted")
+    logits: np.ndarray | None = None  # float32 [vocab]: what the last token was sampled from
 
 
 def stream_generate(
@@ -59,6 +60,7 @@ def stream_generate(
     else:
         logits = timed(model.prefill, np.array(ids[start:]), cache)
     while True:
+        generation.logits = logits
         token = sampler(logits)
         generation.token_ids.append(token)
         metrics.generated_tokens += 1

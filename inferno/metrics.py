@@ -4,6 +4,10 @@ them (`RunRecord.to_json`), so the two can never disagree."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from inferno.token_log import TokenRecord
 
 SCHEMA_VERSION = 1  # of RunRecord.to_json(); bumped when a key changes meaning or goes away
 
@@ -84,6 +88,7 @@ class RunRecord:
     startup: Startup
     wall_ms: float  # generating, from the prompt's first forward to the last token
     load_cache_ms: float | None = None  # reading a --load-cache snapshot
+    token_log: list[TokenRecord] | None = None  # with --log-tokens
 
     def to_json(self) -> dict:
         return {
@@ -94,6 +99,7 @@ class RunRecord:
             "token_ids": self.token_ids,
             "text": self.text,
             "finish_reason": self.finish_reason,
+            **({"token_log": [r.to_json() for r in self.token_log]} if self.token_log is not None else {}),
             "metrics": self.metrics.to_json()
             | {"wall_ms": self.wall_ms, "load_cache_ms": self.load_cache_ms,
                "load_ms": self.startup.load_ms, "jit_ms": self.startup.jit_ms},

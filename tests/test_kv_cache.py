@@ -171,3 +171,38 @@ def test_planned_bytes_are_what_a_full_cache_holds(kind):
     cache = kind(GEOMETRY, capacity=5)
     fill(cache, 5)
     assert cache.nbytes == kind.planned_nbytes(GEOMETRY, 5) == 2 * LAYERS * 5 * WIDTH * 4
+
+
+@pytest.mark.parametrize("kind", CLASSES)
+def test_head_rows_are_the_columns_of_one_kv_head_at_committed_positions(kind):
+    cache = kind(GEOMETRY, capacity=8)
+    written = fill(cache, 5)
+    d = GEOMETRY.head_dim
+    for layer in range(LAYERS):
+        for head in range(GEOMETRY.kv_heads):
+            k, v = cache.head_rows(layer, head, 1, 4)
+            np.testing.assert_array_equal(k, written[layer][0][1:4, head * d : (head + 1) * d])
+            np.testing.assert_array_equal(v, written[layer][1][1:4, head * d : (head + 1) * d])
+    assert cache.head_rows(0, 0, 5, 5)[0].shape == (0, d)
+    assert [cache.layer_length(layer) for layer in range(LAYERS)] == [5] * LAYERS
+
+
+@pytest.mark.parametrize("kind", CLASSES)
+@pytest.mark.parametrize(
+    "layer, head, start, end, message",
+    [
+        (LAYERS, 0, 0, 1, "layer 3 does not exist"),
+        (-1, 0, 0, 1, "layer -1 does not exist"),
+        (0, 2, 0, 1, "KV head 2 does not exist"),
+        (0, 0, 0, 4, r"0\.\.4 are outside the 3 committed"),  # row 3 is written but not committed
+        (0, 0, 2, 1, r"2\.\.1 are outside"),
+        (0, 0, -1, 2, r"-1\.\.2 are outside"),
+    ],
+)
+def test_head_rows_refuses_what_is_not_committed(kind, layer, head, start, end, message):
+    cache = kind(GEOMETRY, capacity=8)
+    fill(cache, 3)
+    cache.write(0, 3, rows(1, 0), rows(1, 1))  # half-written token: visible to no reader
+    assert cache.layer_length(0) == 4 and cache.layer_length(1) == 3
+    with pytest.raises(IndexError, match=message):
+        cache.head_rows(layer, head, start, end)

@@ -47,15 +47,19 @@ def read_prompt_file(path: str) -> str:
         raise InfernoError(f"cannot read --prompt-file {path}: {exc}") from None
 
 
-def _kv_alone_means_basic(argv: list[str]) -> list[str]:
-    """`--kv` with no mode means basic: give it one when the next word is not a mode but a file or flag."""
+def _optional_values(argv: list[str]) -> list[str]:
+    """Flags whose value may be left out get their default when the next word is not a value of theirs:
+    `--kv` alone means basic, `--log-tokens` alone means no alternatives."""
     out = []
     for i, arg in enumerate(argv):
         out.append(arg)
-        if arg == "--kv":
-            nxt = argv[i + 1] if i + 1 < len(argv) else None
-            if nxt is None or nxt.startswith("-") or nxt.endswith(".gguf") or os.path.exists(nxt):
-                out.append("basic")
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if arg == "--kv" and (
+            nxt is None or nxt.startswith("-") or nxt.endswith(".gguf") or os.path.exists(nxt)
+        ):
+            out.append("basic")
+        if arg == "--log-tokens" and (nxt is None or not nxt.isdigit()):
+            out.append("0")
     return out
 
 
@@ -74,13 +78,15 @@ def _kv_alone_means_basic(argv: list[str]) -> list[str]:
 @click.option("--prompt-file", type=click.Path(dir_okay=False), default=None,
               help="Read the prompt from a file (PROMPT is then not given).")
 @click.option("--threads", type=int, default=None, help="Threads for the kernels (default: all cores).")
+@click.option("--log-tokens", "log_tokens", type=int, default=None, metavar="[K]",
+              help="Log every forward: token, its probability (and the K likeliest), ms, cache length.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text and tables.")
 @click.option("--save-cache", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="After the run, save the KV cache to FILE as a snapshot (without --kv: prealloc).")
 @click.option("--load-cache", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Start from a snapshot: only the prompt past its tokens is prefilled.")
 def command(args, kv, max_context, chat, temperature, top_k, top_p, seed, ignore_eos, prompt_file, threads,
-            as_json, save_cache, load_cache):
+            log_tokens, as_json, save_cache, load_cache):
     """Generate text with a GGUF model on the CPU and report per-forward timings.
 
     With a KV cache decode cost stays flat; without one every step reruns the whole sequence.
@@ -92,6 +98,8 @@ def command(args, kv, max_context, chat, temperature, top_k, top_p, seed, ignore
         raise InfernoError(f"MAX_NEW_TOKENS must be at least 1, got {max_new}")
     if kv is not None and kv not in KINDS:
         raise InfernoError(f"unknown KV cache mode {kv!r} (valid: {', '.join(KINDS)})")
+    if log_tokens is not None and log_tokens < 0:
+        raise InfernoError(f"--log-tokens takes a count of alternatives, 0 or more; got {log_tokens}")
     if max_context is not None and max_context < 1:
         raise InfernoError(f"--max-context must be at least 1, got {max_context}")
     if save_cache and load_cache and Path(save_cache).resolve() == Path(load_cache).resolve():
@@ -120,18 +128,26 @@ def command(args, kv, max_context, chat, temperature, top_k, top_p, seed, ignore
         snapshot.restore(cache, prompt_ids)
         load_cache_ms = (perf_counter() - t) * 1000
 
+    from inferno.token_log import TokenLog
     from inferno.tokenizer import StreamDecoder
 
     out = console()
     stream = StreamDecoder(engine.tokenizer)
     if not as_json:
-        out.print(prompt, style="dim", end="", markup=False)
+        out.print(prompt, style="dim", end="" if log_tokens is None else "\n", markup=False)
     t0 = perf_counter()
     steps = engine.start(prompt_ids, max_new, kv=kv, sampler=sampler, cache=cache, ignore_eos=ignore_eos)
+    log = TokenLog(engine.tokenizer, cache, log_tokens) if log_tokens is not None else None
+    streaming = not as_json and log is None  # with the log on stderr, the text comes after it
     for generation in steps:
-        if not as_json:
+        if log is not None:
+            entry = log.add(generation)
+            if not as_json:
+                click.echo(entry.line(), err=True)  # plain: a log line is never wrapped or styled
+        if streaming:
             print(stream.add(generation.token_ids[-1]), end="", flush=True)
     record = engine.record(generation, text, (perf_counter() - t0) * 1000, load_cache_ms)
+    record.token_log = log.records if log is not None else None
     if save_cache:
         Snapshot.from_cache(cache, prompt_ids + record.token_ids, engine.config, engine.fingerprint).save(
             save_cache
@@ -140,14 +156,14 @@ def command(args, kv, max_context, chat, temperature, top_k, top_p, seed, ignore
         json.dump(record.to_json(), sys.stdout)
         print()
         return
-    print(stream.flush(), flush=True)
+    print(stream.flush() if streaming else record.text, flush=True)
     from inferno.cli.display import metrics_panel
 
     out.print(metrics_panel(record))
 
 
 def main() -> None:
-    sys.argv[1:] = _kv_alone_means_basic(sys.argv[1:])
+    sys.argv[1:] = _optional_values(sys.argv[1:])
     run(command, PROG)
 
 
