@@ -154,9 +154,8 @@ class Fraction(click.ParamType):
 @click.option(
     "--overhead",
     metavar="SIZE",
-    default="0",
-    show_default=True,
-    help="Per GPU for activations and CUDA graphs (vLLM logs it as the non-KV peak beyond the weights).",
+    help="Per GPU for activations and CUDA graphs (vLLM logs it as the non-KV peak beyond the weights)"
+    "  [default: none]",
 )
 @click.option(
     "--weight-dtype",
@@ -185,7 +184,7 @@ def command(
     pp: int | None,
     utilization: float,
     block_size: int,
-    overhead: str,
+    overhead: str | None,
     weight_dtype: str | None,
     weights_size: str | None,
     as_json: bool,
@@ -208,7 +207,8 @@ def command(
         model = hf.info
     deploying = gpus is not None or gpu_memory is not None
     if not deploying:
-        needs_gpus = {"--tp": tp, "--pp": pp, "--weights": weights_size, "--weight-dtype": weight_dtype}
+        needs_gpus = {"--tp": tp, "--pp": pp, "--weights": weights_size, "--weight-dtype": weight_dtype,
+                      "--overhead": overhead}  # fmt: skip
         for flag, value in needs_gpus.items():
             if value is not None:
                 raise InfernoError(f"{flag} plans a deployment: give --gpus (e.g. 4x80GiB) too")
@@ -239,8 +239,8 @@ def command(
             "context_length": model.context_length,
         }
     if deploying:
-        dev = devices(gpus, gpu_memory, tp, pp, utilization, parse_size(overhead) if overhead != "0" else 0,
-                      block_size)  # fmt: skip
+        reserve = parse_size(overhead) if overhead is not None else 0
+        dev = devices(gpus, gpu_memory, tp, pp, utilization, reserve, block_size)
         weights = deployment_weights(weights, hf, weight_dtype, weights_size, shape.layers)
         report["deployment"] = build_deployment(shape, kv_type, weights, dev, max(context_list), model_path)
     chose_layers = sliding_layers is not None or sliding_pattern is not None
