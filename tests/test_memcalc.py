@@ -564,6 +564,16 @@ def test_llama_70b_on_four_80gib_gpus_with_tp4_matches_the_readme_hand_calculati
     assert all(len(line) <= 80 for line in out.splitlines())
 
 
+def test_overhead_and_given_weights_come_off_the_cache():
+    base = cli_json("--gpus 4x80GiB --context 8k --config", LLAMA_70B)["deployment"]["per_gpu"]
+    reserved = cli_json("--gpus 4x80GiB --overhead 3GiB --context 8k --config", LLAMA_70B)["deployment"]
+    assert reserved["per_gpu"]["cache_bytes"] == base["cache_bytes"] - 3 * GiB
+    given = cli_json("--gpus 4x80GiB --weights 100GB --context 8k --config", LLAMA_70B)["deployment"]
+    assert given["weight_bytes"] == 10**11 and given["per_gpu"]["weight_bytes"] == 10**11 // 4
+    int4 = cli_json("--gpus 4x80GiB --weight-dtype int4 --context 8k --config", LLAMA_70B)["deployment"]
+    assert int4["weight_bytes"] == 70_553_706_496 // 2
+
+
 def test_deepseek_v3_mla_caches_one_latent_row_replicated_on_every_rank():
     d = cli_json("--gpus 8x141GB --context 8k --dtype fp8 --config", DEEPSEEK_V3)
     per_token = 61 * (512 + 64) * 1  # layers x (kv_lora_rank + qk_rope_head_dim) x fp8, no V row
