@@ -3,9 +3,11 @@
 Pure arithmetic and parsing, no I/O: `inferno.cli.memcalc` reads files and prints.
 
 Every layer stores, for every token it holds, one row of keys and one row of values, each
-kv_heads x head_dim values wide. Full-attention layers hold the whole context; sliding-window
-layers hold at most the window. All sizes are exact integers: block formats (q8_0, q4_0) count
-their scales and refuse rows that are not a whole number of blocks, so nothing is rounded.
+kv_heads x head_dim values wide; multi-head latent attention (MLA, DeepSeek) stores one row
+instead, the compressed latent plus the RoPE part of the key. Full-attention layers hold the
+whole context; sliding-window layers hold at most the window. All sizes are exact integers:
+block formats (q8_0, q4_0) count their scales and refuse rows that are not a whole number of
+blocks, so nothing is rounded.
 """
 
 from __future__ import annotations
@@ -62,10 +64,16 @@ class KVShape:
     heads: tuple[int, ...] | None = None  # query heads per layer, for the multi-head comparison
     window: int | None = None
     sliding: frozenset[int] = frozenset()  # layers holding at most `window` tokens
+    mla: bool = False  # one latent row of head_dim values per token and layer, no separate V
 
     @property
     def layers(self) -> int:
         return len(self.kv_heads)
+
+    @property
+    def rows(self) -> int:
+        """Rows a token adds to a layer: K and V, or MLA's single latent."""
+        return 1 if self.mla else 2
 
 
 def kv_shape(
@@ -75,6 +83,7 @@ def kv_shape(
     heads: int | Sequence[int] | None = None,
     window: int | None = None,
     sliding: Iterable[int] = (),
+    mla: bool = False,
 ) -> KVShape:
     """A validated KVShape; scalar head counts apply to every layer."""
     _require_positive("layers", layers)
@@ -95,7 +104,7 @@ def kv_shape(
         _require_positive("sliding window", window)
         if max(sliding) >= layers:
             raise InfernoError(f"sliding layer {max(sliding)} does not exist: the model has {layers} layers")
-    return KVShape(kv, head_dim, q, window if sliding else None, sliding)
+    return KVShape(kv, head_dim, q, window if sliding else None, sliding, mla)
 
 
 def _require_positive(what: str, value: int) -> None:
@@ -116,14 +125,14 @@ def _per_layer(what: str, value: int | Sequence[int], layers: int) -> tuple[int,
 
 
 def layer_token_bytes(shape: KVShape, dtype: DType, mha: bool = False) -> list[int]:
-    """Bytes one token adds to each layer (its K row plus its V row).
+    """Bytes one token adds to each layer (its K row plus its V row, or its MLA latent).
 
     `mha` counts a K and V head per query head instead, in the layers that keep a cache at all.
     """
     heads = shape.kv_heads
     if mha and shape.heads:
         heads = tuple(q if kv else 0 for q, kv in zip(shape.heads, shape.kv_heads, strict=True))
-    return [2 * row_bytes(h * shape.head_dim, dtype) for h in heads]
+    return [shape.rows * row_bytes(h * shape.head_dim, dtype) for h in heads]
 
 
 def bytes_per_token(shape: KVShape, dtype: DType, mha: bool = False) -> int:
@@ -298,6 +307,7 @@ class ModelInfo:
     context_length: int | None
     window: int | None
     sliding: frozenset[int] | None  # None: the file has no window, or does not say which layers use it
+    mla: bool = False  # head_dim is then the width of the latent row (kv_lora_rank + RoPE dims)
 
 
 def model_info(get: Callable[[str], Any]) -> ModelInfo:
@@ -404,7 +414,7 @@ def resolve_shape(
         )
     else:
         sliding = frozenset()
-    return kv_shape(layers, kv, head_dim, q, window, sliding)
+    return kv_shape(layers, kv, head_dim, q, window, sliding, mla=model is not None and model.mla)
 
 
 def _fit_layers(values: tuple[int, ...], layers: int, flag: str) -> int | tuple[int, ...]:

@@ -15,7 +15,9 @@ from conftest import DEFAULT_MODEL, ROOT
 
 from inferno.cli import memcalc as memcalc_cli
 from inferno.cli.memcalc import command, main
+from inferno.deploy import Devices, device_shape, engine_plans, limiting, plan_stages, pp_stages
 from inferno.errors import InfernoError
+from inferno.hf_config import Weights, read_hf_config
 from inferno.memcalc import (
     DTYPES,
     bytes_per_token,
@@ -518,3 +520,201 @@ def test_bin_wrapper_runs_the_issue_command():
         "dtype": "f16",
         "bytes": 32 * GiB,
     }
+
+
+# --- deployments: config.json, GPUs, tensor and pipeline parallelism, engines ---------------------
+
+# Hand-written from the models' published config.json files; see tests/fixtures/hf_configs/README.md.
+HF_CONFIGS = ROOT / "tests" / "fixtures" / "hf_configs"
+LLAMA_70B = str(HF_CONFIGS / "llama-3.1-70b.json")
+DEEPSEEK_V3 = str(HF_CONFIGS / "deepseek-v3.json")
+
+
+def test_config_parameter_counts_match_the_published_checkpoints():
+    # model.safetensors.index.json "total_size" of the bf16 checkpoints: 2 bytes per parameter.
+    assert read_hf_config(LLAMA_70B).params.total * 2 == 141_107_412_992
+    assert read_hf_config(HF_CONFIGS / "llama-3.1-8b.json").params.total * 2 == 16_060_522_496
+    # DeepSeek-V3's report: 671B parameters in the main model (the MTP module's 14B aside).
+    v3 = read_hf_config(DEEPSEEK_V3)
+    assert v3.params.total / 1e9 == pytest.approx(671, abs=0.5)
+    assert v3.weight_bits == 8  # quantization_config: fp8
+
+
+def test_llama_70b_on_four_80gib_gpus_with_tp4_matches_the_readme_hand_calculation():
+    d = cli_json("--gpus 4x80GiB --context 8k --config", LLAMA_70B)["deployment"]
+    g = d["per_gpu"]
+    weights = 70_553_706_496 * 2 // 4  # parameters x bf16 bytes / 4 ranks
+    budget = 80 * GiB * 9 // 10 - weights
+    per_token = 80 * 2 * (8 // 4) * 128 * 2  # layers x (K, V) x KV heads per rank x head dim x f16
+    assert (g["weight_bytes"], g["cache_bytes"], g["kv_bytes_per_token"]) == (weights, budget, per_token)
+    assert g["kv_bytes_per_token"] == 81_920
+    assert g["blocks"] == budget // (16 * per_token) == 32_068
+    assert g["max_batch"] == 32_068 // (8192 // 16) == 62
+    assert g["max_context"] == 32_068 * 16
+    fp8 = cli_json("--gpus 4x80GiB --context 8k --dtype fp8 --config", LLAMA_70B)["deployment"]
+    assert fp8["per_gpu"]["kv_bytes_per_token"] == 40_960
+    assert fp8["per_gpu"]["blocks"] == budget // (16 * 40_960) == 64_136
+    assert fp8["per_gpu"]["max_batch"] == 125
+    vllm = fp8["engines"]["vllm"]
+    assert vllm["args"][-2:] == ["--kv-cache-dtype", "fp8"] and "--tensor-parallel-size" in vllm["args"]
+    assert vllm["kv_cache_tokens"] == 64_136 * 16
+    out = cli("--gpus 4x80GiB --context 8k --config", LLAMA_70B)
+    assert "KV per token     81,920 B" in out and "blocks           32,068 of 16 tokens" in out
+    assert "largest batch    62 at 8,192 tokens" in out
+    assert all(len(line) <= 80 for line in out.splitlines())
+
+
+def test_overhead_and_given_weights_come_off_the_cache():
+    base = cli_json("--gpus 4x80GiB --context 8k --config", LLAMA_70B)["deployment"]["per_gpu"]
+    reserved = cli_json("--gpus 4x80GiB --overhead 3GiB --context 8k --config", LLAMA_70B)["deployment"]
+    assert reserved["per_gpu"]["cache_bytes"] == base["cache_bytes"] - 3 * GiB
+    given = cli_json("--gpus 4x80GiB --weights 100GB --context 8k --config", LLAMA_70B)["deployment"]
+    assert given["weight_bytes"] == 10**11 and given["per_gpu"]["weight_bytes"] == 10**11 // 4
+    int4 = cli_json("--gpus 4x80GiB --weight-dtype int4 --context 8k --config", LLAMA_70B)["deployment"]
+    assert int4["weight_bytes"] == 70_553_706_496 // 2
+
+
+def test_deepseek_v3_mla_caches_one_latent_row_replicated_on_every_rank():
+    d = cli_json("--gpus 8x141GB --context 8k --dtype fp8 --config", DEEPSEEK_V3)
+    per_token = 61 * (512 + 64) * 1  # layers x (kv_lora_rank + qk_rope_head_dim) x fp8, no V row
+    assert d["bytes_per_token"] == per_token and d["mla"] is True
+    g = d["deployment"]["per_gpu"]
+    assert g["kv_bytes_per_token"] == per_token  # not divided by TP
+    weights = -(-671_026_404_352 // 8)  # fp8: one byte per parameter, over 8 ranks
+    budget = int(141 * 10**9 * 0.9) - weights
+    assert (g["weight_bytes"], g["cache_bytes"]) == (weights, budget)
+    assert g["blocks"] == budget // (16 * per_token)
+    assert g["max_batch"] == g["blocks"] // 512
+    assert "mha_bytes_per_token" not in d
+
+
+@pytest.mark.parametrize(
+    "memory_gib, blocks, context, concurrency",
+    [(3.81, 1952, 20_000, 1.56), (2.89, 1478, 29_000, 0.82)],
+)
+def test_vllm_block_count_reproduces_a_published_log(memory_gib, blocks, context, concurrency):
+    # vllm-project/vllm#10517, comment of 2024-12-02: Llama-3.1-8B-Instruct (bf16) on one RTX 3090
+    # logged "kv_cache_size=3.81GiB ... # GPU blocks: 1952 ... Maximum concurrency for 20000 tokens per
+    # request: 1.56x", and with 29k "kv_cache_size=2.89GiB", "# GPU blocks: 1478", "0.82x" and "the
+    # maximum number of tokens that can be stored in KV cache (23648)". The log rounds GiB to 0.01,
+    # so the blocks of the memory 0.005 GiB either side must bracket vLLM's count.
+    shape = resolve_shape(read_hf_config(HF_CONFIGS / "llama-3.1-8b.json").info)
+    nothing = Weights(0, 0, (0,) * 32)
+
+    def vllm(gib: float) -> dict:
+        dev = Devices(1, int(gib * GiB), 1, 1, 1.0, 0, 16)
+        stage = limiting(plan_stages(shape, DTYPES["bf16"], nothing, dev, context))
+        return engine_plans(shape, DTYPES["bf16"], dev, stage, context, "M", "M.gguf")["vllm"]
+
+    low, high = vllm(memory_gib - 0.005), vllm(memory_gib + 0.005)
+    assert low["num_gpu_blocks"] <= blocks <= high["num_gpu_blocks"] <= low["num_gpu_blocks"] + 6
+    exact = vllm(blocks * 16 * 32 * 2 * 8 * 128 * 2 / GiB)
+    assert exact["num_gpu_blocks"] == blocks
+    assert exact["kv_cache_tokens"] == blocks * 16
+    assert exact["max_concurrency"] == concurrency
+
+
+def test_kv_heads_split_across_tp_ranks_and_replicate_when_fewer_than_ranks():
+    shape = kv_shape(layers=2, kv_heads=8, head_dim=128, heads=64)
+    assert device_shape(shape, 4, range(2)).kv_heads == (2, 2)
+    assert device_shape(shape, 16, range(2)).kv_heads == (1, 1)  # 16 ranks share 8 heads: each holds one
+    mqa = kv_shape(layers=2, kv_heads=1, head_dim=128, heads=8)
+    assert device_shape(mqa, 8, range(2)).kv_heads == (1, 1)
+    for tp in (3, 128):
+        with pytest.raises(InfernoError, match="64 attention heads"):
+            device_shape(shape, tp, range(2))
+    odd = kv_shape(layers=1, kv_heads=6, head_dim=64, heads=24)
+    with pytest.raises(InfernoError, match="6 KV heads"):
+        device_shape(odd, 4, range(1))
+
+
+def test_pipeline_stages_follow_vllms_get_pp_indices():
+    # vllm/distributed/utils.py get_pp_indices: the remainder goes to the stages before the last.
+    assert [len(s) for s in pp_stages(80, 3)] == [27, 27, 26]
+    assert [len(s) for s in pp_stages(61, 4)] == [15, 15, 16, 15]
+    assert pp_stages(4, 2) == [range(0, 2), range(2, 4)]
+
+
+def test_pipeline_stages_hold_their_layers_and_the_ends_of_the_model():
+    d = cli_json("--gpus 8x80GiB --tp 4 --pp 2 --context 8k --config", LLAMA_70B)["deployment"]
+    first, last = d["stages"]
+    assert first["layers"] == [0, 40] and last["layers"] == [40, 80]
+    assert first["kv_bytes_per_token"] == last["kv_bytes_per_token"] == 40 * 2 * 2 * 128 * 2
+    layer = (70_553_706_496 - 2 * 128_256 * 8192 - 8192) // 80  # one layer's parameters
+    assert first["weight_bytes"] == -(-(40 * layer + 128_256 * 8192) * 2 // 4)
+    assert d["per_gpu"] in d["stages"] and "--pipeline-parallel-size" in d["engines"]["vllm"]["args"]
+
+
+def test_layer_types_mark_sliding_layers_and_vllm_blocks_are_not_guessed(tmp_path):
+    config = tmp_path / "config.json"
+    types = ["sliding_attention"] * 5 + ["full_attention"]
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "gemma3_text",
+                "num_hidden_layers": 6,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 4,
+                "head_dim": 256,
+                "hidden_size": 2560,
+                "intermediate_size": 10240,
+                "vocab_size": 262_144,
+                "sliding_window": 1024,
+                "layer_types": types,
+                "torch_dtype": "bfloat16",
+            }
+        )
+    )
+    report = cli_json("--context 32k --gpus 1x24GiB --config", str(config))
+    assert report["sliding_layers"] == [0, 1, 2, 3, 4]
+    assert report["rows"][0]["bytes"] == 2 * 4 * 256 * 2 * (5 * 1024 + 32_768)
+    assert report["deployment"]["engines"]["vllm"]["num_gpu_blocks"] is None
+    assert "block count not modelled" in cli("--context 32k --gpus 1x24GiB --config", str(config))
+
+
+def test_a_gguf_deployment_places_the_files_tensor_bytes(model_path):
+    tensors = gguf.GGUFReader(model_path).tensors
+    d = cli_json("--gpus 1x8GiB --context 4k --dtype q8_0 --model", str(model_path))["deployment"]
+    assert d["weight_bytes"] == sum(int(t.n_bytes) for t in tensors)
+    assert d["engines"]["llama.cpp"]["args"][-4:] == ["-ctk", "q8_0", "-ctv", "q8_0"]
+    assert "vllm" not in d["engines"]  # vLLM has no q8_0 cache
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--config", "MALFORMED", "--gpus", "1x80GiB"), "not valid JSON"),
+        (("--config", "LIST"), "not a JSON object"),
+        (("--config", "NO_LAYERS"), "has no num_hidden_layers"),
+        (("--config", "no-such-config.json"), "no such file"),
+        (("--config", LLAMA_70B, "--gpus", "4x"), "not understood"),
+        (("--config", LLAMA_70B, "--gpus", "fourx80GiB"), "not understood"),
+        (("--config", LLAMA_70B, "--gpus", "0x80GiB"), "0 GPUs"),
+        (("--config", LLAMA_70B, "--gpus", "4x80G"), "ambiguous"),
+        (("--config", LLAMA_70B, "--gpus", "3x80GiB"), "does not divide the model's 64 attention heads"),
+        (("--config", LLAMA_70B, "--gpus", "4x80GiB", "--tp", "2"), "uses 2 GPUs"),
+        (("--config", LLAMA_70B, "--gpus", "4x80GiB", "--pp", "3"), "does not divide the 4 GPUs"),
+        (("--config", LLAMA_70B, "--gpus", "2x80GiB", "--gpu-memory", "80GiB"), "not both"),
+        (("--config", LLAMA_70B, "--gpus", "1x80GiB", "--gpu-memory-utilization", "1.5"), "at most 1"),
+        (("--config", LLAMA_70B, "--gpus", "1x80GiB", "--gpu-memory-utilization", "x"), "not a number"),
+        (("--config", LLAMA_70B, "--tp", "4"), "give --gpus"),
+        (("--config", LLAMA_70B, "--model", "m.gguf"), "not both"),
+        (("--layers", "8", "--kv-heads", "8", "--gpus", "1x80GiB"), "needs the weights"),
+        (("--config", LLAMA_70B, "--gpu-memory", "80GiB", "--pp", "81"), "more pipeline stages"),
+        (("--config", LLAMA_70B, "--gpus", "1x80GiB", "--layers", "8"), "give --weights"),
+    ],
+)
+def test_bad_deployment_input_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path, args, message):
+    files = {
+        "MALFORMED": '{"num_hidden_layers": 80,',
+        "LIST": "[1, 2]",
+        "NO_LAYERS": '{"num_attention_heads": 8}',
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    args = tuple(str(tmp_path / a) if a in files else a for a in args)
+    code, out, err = run_main(monkeypatch, capsys, *args)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("kv-memcalc: error: "), err
+    assert message in err, err

@@ -12,6 +12,9 @@ from rich.table import Table
 from rich.text import Text
 
 from inferno.cli.common import console, run
+from inferno.deploy import Devices, devices, engine_plans, limiting, plan_stages
+from inferno.errors import InfernoError
+from inferno.hf_config import HFModel, Weights, read_hf_config
 from inferno.memcalc import (
     DTYPES,
     DType,
@@ -65,16 +68,48 @@ class PositiveInt(click.ParamType):
 POSITIVE = PositiveInt()
 
 
-def read_model(path: str) -> ModelInfo:
+def read_model(path: str) -> tuple[ModelInfo, Weights]:
     # Imported here so sizing by flags alone starts without loading the GGUF reader.
     from inferno.gguf_file import metadata, open_gguf
 
     reader = open_gguf(path)
-    return model_info(lambda key: metadata(reader, key))
+    info = model_info(lambda key: metadata(reader, key))
+    return info, gguf_weights(reader, info.layers)
+
+
+def gguf_weights(reader: Any, layers: int) -> Weights:
+    """The file's tensor bytes (quantized as stored), by layer, embedding and output head."""
+    embedding = output = 0
+    per_layer = [0] * layers
+    for tensor in reader.tensors:
+        size = int(tensor.n_bytes)
+        if tensor.name.startswith("blk."):
+            index = int(tensor.name.split(".")[1])
+            per_layer[min(index, layers - 1)] += size
+        elif tensor.name.startswith("token_embd"):
+            embedding += size
+        else:
+            output += size  # output.weight and output_norm
+    return Weights(embedding, output, tuple(per_layer))
+
+
+# --weight-dtype: bits per parameter when sizing weights from a config's parameter count.
+WEIGHT_BITS = {"f32": 32, "f16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4}
+
+
+class Fraction(click.ParamType):
+    name = "F"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--model", "model_path", metavar="FILE.gguf", help="Read the shape from a GGUF's metadata.")
+@click.option("--config", "config_path", metavar="FILE", help="Read the shape from a HF config.json.")
 @click.option("--layers", type=POSITIVE, help="Transformer layers (blocks).")
 @click.option("--kv-heads", type=POSITIVE, help="Key/value heads per layer.")
 @click.option("--head-dim", type=POSITIVE, help="Values per head  [default: 128, or the model's]")
@@ -103,9 +138,35 @@ def read_model(path: str) -> ModelInfo:
     help="Every Nth layer is global, the rest slide (Gemma 3: 6); 1 = none slide.",
 )
 @click.option("--budget", metavar="SIZE", help="Memory to fit: 24GiB, 32GB, 512MiB or bytes.")
+@click.option("--gpus", metavar="NxSIZE", help="Plan a deployment on N GPUs of SIZE each: 4x80GiB.")
+@click.option("--gpu-memory", metavar="SIZE", help="Memory of each GPU, with --tp/--pp saying how many.")
+@click.option("--tp", type=POSITIVE, help="Tensor-parallel ranks  [default: every GPU of --gpus]")
+@click.option("--pp", type=POSITIVE, help="Pipeline-parallel stages  [default: 1]")
+@click.option(
+    "--gpu-memory-utilization",
+    "utilization",
+    type=Fraction(),
+    default=0.9,
+    show_default=True,
+    help="Fraction of each GPU the engine may use (vLLM's default).",
+)
+@click.option("--block-size", type=POSITIVE, default=16, show_default=True, help="Tokens per cache block.")
+@click.option(
+    "--overhead",
+    metavar="SIZE",
+    help="Per GPU for activations and CUDA graphs (vLLM logs it as the non-KV peak beyond the weights)"
+    "  [default: none]",
+)
+@click.option(
+    "--weight-dtype",
+    type=click.Choice(list(WEIGHT_BITS), case_sensitive=False),
+    help="Weight type for a config's parameters  [default: the config's torch_dtype or quantization]",
+)
+@click.option("--weights", "weights_size", metavar="SIZE", help="Total weight bytes: skip counting.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def command(
     model_path: str | None,
+    config_path: str | None,
     layers: int | None,
     kv_heads: int | None,
     head_dim: int | None,
@@ -117,6 +178,15 @@ def command(
     sliding_layers: str | None,
     sliding_pattern: int | None,
     budget: str | None,
+    gpus: str | None,
+    gpu_memory: str | None,
+    tp: int | None,
+    pp: int | None,
+    utilization: float,
+    block_size: int,
+    overhead: str | None,
+    weight_dtype: str | None,
+    weights_size: str | None,
     as_json: bool,
 ) -> None:
     """Size a KV cache: bytes per token, and in total for each context.
@@ -124,8 +194,24 @@ def command(
     \b
     Give the shape by hand:   kv-memcalc --layers 64 --kv-heads 8
     or read it from a model:  kv-memcalc --model model.gguf   (flags override it)
+    or from its config.json:  kv-memcalc --config config.json
+    and plan a deployment:    kv-memcalc --config config.json --gpus 4x80GiB --context 8k
     """
-    model = read_model(model_path) if model_path else None
+    if model_path and config_path:
+        raise InfernoError("give --model FILE.gguf or --config config.json, not both")
+    model = weights = hf = None
+    if model_path:
+        model, weights = read_model(model_path)
+    elif config_path:
+        hf = read_hf_config(config_path)
+        model = hf.info
+    deploying = gpus is not None or gpu_memory is not None
+    if not deploying:
+        needs_gpus = {"--tp": tp, "--pp": pp, "--weights": weights_size, "--weight-dtype": weight_dtype,
+                      "--overhead": overhead}  # fmt: skip
+        for flag, value in needs_gpus.items():
+            if value is not None:
+                raise InfernoError(f"{flag} plans a deployment: give --gpus (e.g. 4x80GiB) too")
     budget_bytes = parse_size(budget) if budget is not None else None
     context_list = (
         parse_contexts(contexts) if contexts else default_contexts(model.context_length if model else None)
@@ -141,15 +227,22 @@ def command(
         sliding_pattern=sliding_pattern,
     )
     kv_type = DTYPES[dtype.lower()]
-    # Query heads from a file are worth comparing only when the model actually groups them.
-    show_mha = shape.heads is not None and (heads is not None or shape.heads != shape.kv_heads)
+    # Query heads from a file are worth comparing only when the model actually groups them;
+    # MLA's one latent row is not K and V per head, so the comparison does not apply to it.
+    grouped = heads is not None or shape.heads != shape.kv_heads
+    show_mha = not shape.mla and shape.heads is not None and grouped
     report = build_report(shape, kv_type, context_list, batch, budget_bytes, show_mha)
     if model is not None:
         report["model"] = {
-            "file": Path(model_path).name,
+            "file": Path(model_path or config_path).name,
             "arch": model.arch,
             "context_length": model.context_length,
         }
+    if deploying:
+        reserve = parse_size(overhead) if overhead is not None else 0
+        dev = devices(gpus, gpu_memory, tp, pp, utilization, reserve, block_size)
+        weights = deployment_weights(weights, hf, weight_dtype, weights_size, shape.layers)
+        report["deployment"] = build_deployment(shape, kv_type, weights, dev, max(context_list), model_path)
     chose_layers = sliding_layers is not None or sliding_pattern is not None
     if model is not None and model.window and model.sliding is None and not chose_layers:
         click.echo(
@@ -161,6 +254,68 @@ def command(
         click.echo(json.dumps(report, indent=2))
     else:
         print_report(report)
+        if "deployment" in report:
+            print_deployment(report["deployment"])
+
+
+def deployment_weights(
+    weights: Weights | None, hf: HFModel | None, weight_dtype: str | None, total: str | None, layers: int
+) -> Weights:
+    """The weights to place on the GPUs: --weights, a config's parameters x a dtype, or a GGUF's tensors."""
+    if total is not None:
+        size = parse_size(total)
+        # Spread over the layers: fine for TP, and for PP off by the embedding and head at most.
+        return Weights(0, 0, tuple(size * (i + 1) // layers - size * i // layers for i in range(layers)))
+    if hf is not None:
+        if hf.params is None:
+            raise InfernoError(
+                f"cannot count a {hf.info.arch!r} model's parameters from its config: pass --weights SIZE"
+            )
+        bits = WEIGHT_BITS[weight_dtype.lower()] if weight_dtype else hf.weight_bits
+        if bits is None:
+            raise InfernoError("the config names no torch_dtype or known quantization: pass --weight-dtype")
+        weights = hf.params.weights(bits)
+    elif weights is not None:
+        if weight_dtype is not None:
+            raise InfernoError("--weight-dtype sizes a config's parameters; a GGUF's weights are its tensors")
+    else:
+        raise InfernoError("a deployment needs the weights: give --config, --model or --weights SIZE")
+    if len(weights.layers) != layers:
+        raise InfernoError(f"--layers {layers} is not the model's {len(weights.layers)}: give --weights SIZE")
+    return weights
+
+
+def build_deployment(
+    shape: KVShape, dtype: DType, weights: Weights, dev: Devices, context: int, gguf: str | None
+) -> dict[str, Any]:
+    stages = plan_stages(shape, dtype, weights, dev, context)
+    worst = limiting(stages)
+
+    def stage_report(stage: Any) -> dict[str, Any]:
+        return {
+            "layers": [stage.layers.start, stage.layers.stop],
+            "weight_bytes": stage.weight_bytes,
+            "kv_bytes_per_token": stage.kv_bytes_per_token,
+            "cache_bytes": stage.cache_bytes,
+            "blocks": stage.blocks,
+            "max_context": stage.max_context,
+            "max_batch": stage.max_batch,
+        }
+
+    return {
+        "gpus": dev.count,
+        "gpu_memory": dev.memory,
+        "tp": dev.tp,
+        "pp": dev.pp,
+        "gpu_memory_utilization": dev.utilization,
+        "overhead": dev.overhead,
+        "block_size": dev.block_size,
+        "context": context,
+        "weight_bytes": weights.total,
+        "stages": [stage_report(stage) for stage in stages],
+        "per_gpu": stage_report(worst),
+        "engines": engine_plans(shape, dtype, dev, worst, context, "MODEL", gguf or "MODEL.gguf"),
+    }
 
 
 def build_report(
@@ -182,6 +337,8 @@ def build_report(
         "bytes_per_token": bytes_per_token(shape, dtype),
         "bytes_per_token_per_layer": _scalar(tuple(per_layer)),
     }
+    if shape.mla:
+        report["mla"] = True
     if shape.sliding:
         report["sliding_window"] = shape.window
         report["sliding_layers"] = sorted(shape.sliding)
@@ -217,13 +374,11 @@ def print_report(r: dict[str, Any]) -> None:
         m = r["model"]
         length = f", context length {m['context_length']:,}" if m["context_length"] else ""
         out.print(Text(f"{m['file']}: {m['arch']}{length}"))
-    kv = _range_label(r["kv_heads"])
-    out.print(
-        Text(
-            f"KV cache of {r['layers']} layers x {kv} KV heads x head dim {r['head_dim']}, "
-            f"{r['dtype']}, batch {r['batch']}"
-        )
-    )
+    if r.get("mla"):
+        geometry = f"one MLA latent of {r['head_dim']} values"
+    else:
+        geometry = f"{_range_label(r['kv_heads'])} KV heads x head dim {r['head_dim']}"
+    out.print(Text(f"KV cache of {r['layers']} layers x {geometry}, {r['dtype']}, batch {r['batch']}"))
     per_layer = r["bytes_per_token_per_layer"]
     if isinstance(per_layer, int):
         layer_text = f"{per_layer:,} B per layer"
@@ -280,6 +435,74 @@ def print_report(r: dict[str, Any]) -> None:
         batch = r["max_batch"]
         verdict = "" if batch else " (does not fit)"
         out.print(Text(f"  largest batch at {context:,} tokens: {batch:,}{verdict}"))
+
+
+def print_deployment(d: dict[str, Any]) -> None:
+    out = console()
+    lines = [
+        f"deployment: {d['gpus']} x {human(d['gpu_memory'])} GPUs, tensor parallel {d['tp']}, "
+        f"pipeline {d['pp']}, utilization {d['gpu_memory_utilization']:g}",
+        f"  all weights      {both(d['weight_bytes'])}",
+    ]
+    if d["pp"] > 1:
+        for n, stage in enumerate(d["stages"]):
+            first, stop = stage["layers"]
+            lines.append(
+                f"  stage {n}: layers {first}-{stop - 1}, weights {human(stage['weight_bytes'])}, "
+                f"{stage['blocks']:,} blocks"
+            )
+    g = d["per_gpu"]
+    block_bytes = d["block_size"] * g["kv_bytes_per_token"]
+    longest = "any" if g["max_context"] is None else f"{g['max_context']:,} tokens"
+    batch = g["max_batch"]
+    lines += [
+        "per GPU" + (" (the stage that holds least)" if d["pp"] > 1 else ""),
+        f"  weights          {both(g['weight_bytes'])}",
+        f"  KV per token     {g['kv_bytes_per_token']:,} B ({human(g['kv_bytes_per_token'])})",
+        f"  left for cache   {both(g['cache_bytes'])}",
+        f"  blocks           {g['blocks']:,} of {d['block_size']} tokens ({human(block_bytes)} each)",
+        f"  longest context  {longest} at batch 1",
+        f"  largest batch    {batch:,} at {d['context']:,} tokens" + ("" if batch else " (does not fit)"),
+    ]
+    if d["overhead"] == 0:
+        lines.append("  (activations and CUDA graphs not reserved: see --overhead)")
+    engines = d["engines"]
+    for name, title in (("vllm", "vLLM"), ("sglang", "SGLang"), ("llama.cpp", "llama.cpp")):
+        if name not in engines:
+            continue
+        lines.append(title)
+        lines += _command_lines(engines[name]["args"])
+        e = engines[name]
+        if e.get("num_gpu_blocks") is not None:
+            tokens, blocks = e["kv_cache_tokens"], e["num_gpu_blocks"]
+            lines.append(f"  logs: GPU KV cache size: {tokens:,} tokens ({blocks:,} blocks);")
+            context, concurrency = d["context"], e["max_concurrency"]
+            per_request = f"Maximum concurrency for {context:,} tokens per request: {concurrency:.2f}x"
+            lines.append(f"        {per_request}")
+        elif name == "vllm":
+            lines.append("  block count not modelled: vLLM pages sliding and full layers in groups")
+        if e.get("max_total_num_tokens") is not None:
+            lines.append(f"  logs: max_total_num_tokens={e['max_total_num_tokens']}")
+    for line in lines:
+        out.print(Text(line))
+
+
+def _command_lines(args: list[str], width: int = 78) -> list[str]:
+    """A shell command wrapped with backslashes, flags kept with their values."""
+    words = [args[0]]
+    for arg in args[1:]:
+        if words[-1].startswith("-") and not arg.startswith("-") and " " not in words[-1]:
+            words[-1] += f" {arg}"
+        else:
+            words.append(arg)
+    lines, line = [], "  " + words[0]
+    for word in words[1:]:
+        if len(line) + len(word) + 3 > width:
+            lines.append(line + " \\")
+            line = "      " + word
+        else:
+            line += " " + word
+    return [*lines, line]
 
 
 def _table(columns: dict[str, list[str]]) -> Table:
