@@ -239,10 +239,17 @@ def silu_gate(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 @njit(cache=True)
 def concat_dim0(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """A new array holding the rows of a then the rows of b: a full copy, by design."""
+    """A new array holding the rows of a then the rows of b: a full copy, by design.
+
+    Explicit loops: an array-to-array slice assignment makes Numba compile its shape-mismatch error
+    message (about 2 s of a fresh machine's first run)."""
     out = np.empty((a.shape[0] + b.shape[0], a.shape[1]), dtype=a.dtype)
-    out[: a.shape[0]] = a
-    out[a.shape[0] :] = b
+    for i in range(a.shape[0]):
+        for j in range(a.shape[1]):
+            out[i, j] = a[i, j]
+    for i in range(b.shape[0]):
+        for j in range(b.shape[1]):
+            out[a.shape[0] + i, j] = b[i, j]
     return out
 
 

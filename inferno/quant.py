@@ -411,51 +411,44 @@ _DEQUANTIZE = {F32: _deq_f32, F16: _deq_f16, BF16: _deq_bf16, Q8_0: _deq_q8_0, Q
 
 # ---------------------------------------------------------------------------------------------------
 # Fused tile dot products: acc[lane] += (row lane of the tile) . x. `xs` holds the sums of x over each
-# 32-element block; `s` is float32[4, lanes] scratch for per-block partial sums. The innermost loops
-# run over lanes so they vectorize.
+# 32-element block; `s` is float32[4, lanes] scratch for per-block partial sums (K-quants). The loops
+# over lanes vectorize. For the 32-element blocks, a block's sum for one lane is a loop of fixed length
+# inside the lane loop: LLVM unrolls it, so the lane loop vectorizes with the partial sums in registers
+# (an array of per-lane partial sums kept them in memory: Q8_0 matvec 3.5x slower). The loop is written
+# out in each kernel: a helper inlined with inline="always" compiled to scalar code (10x slower) on a
+# first, uncached compile. The K-quants keep their scratch: the same shape there measured slower.
 
 
 @njit(cache=True, fastmath=True)
 def _dot_q8_0(w, x, xs, acc, s):
-    part = s[0]
     for b in range(w.shape[0]):
-        _zero(part)
-        for j in range(16):
-            xl, xh = x[32 * b + j], x[32 * b + 16 + j]
-            ql, qh = w[b, 2 + j], w[b, 18 + j]
-            for r in range(acc.size):
-                part[r] += xl * np.float32(np.int8(ql[r])) + xh * np.float32(np.int8(qh[r]))
         for r in range(acc.size):
-            acc[r] += _f16(w, b, 0, r) * part[r]
-
-
-@njit(cache=True, fastmath=True)
-def _nibble_sums(w, x, b, first, part):
-    """part[lane] = sum over the 16 bytes from `first` of x_lo*low + x_hi*high nibble (32 elements)."""
-    _zero(part)
-    for j in range(16):
-        xl, xh = x[32 * b + j], x[32 * b + 16 + j]
-        q = w[b, first + j]
-        for r in range(part.size):
-            part[r] += xl * np.float32(_lo(q[r])) + xh * np.float32(_hi(q[r]))
+            part = np.float32(0)
+            for j in range(32):
+                part += x[32 * b + j] * np.float32(np.int8(w[b, 2 + j, r]))
+            acc[r] += _f16(w, b, 0, r) * part
 
 
 @njit(cache=True, fastmath=True)
 def _dot_q4_0(w, x, xs, acc, s):
-    part = s[0]
     for b in range(w.shape[0]):
-        _nibble_sums(w, x, b, 2, part)
         for r in range(acc.size):
-            acc[r] += _f16(w, b, 0, r) * (part[r] - 8 * xs[b])
+            part = np.float32(0)
+            for j in range(16):
+                v = w[b, 2 + j, r]
+                part += x[32 * b + j] * np.float32(_lo(v)) + x[32 * b + 16 + j] * np.float32(_hi(v))
+            acc[r] += _f16(w, b, 0, r) * (part - 8 * xs[b])
 
 
 @njit(cache=True, fastmath=True)
 def _dot_q4_1(w, x, xs, acc, s):
-    part = s[0]
     for b in range(w.shape[0]):
-        _nibble_sums(w, x, b, 4, part)
         for r in range(acc.size):
-            acc[r] += _f16(w, b, 0, r) * part[r] + _f16(w, b, 2, r) * xs[b]
+            part = np.float32(0)
+            for j in range(16):
+                v = w[b, 4 + j, r]
+                part += x[32 * b + j] * np.float32(_lo(v)) + x[32 * b + 16 + j] * np.float32(_hi(v))
+            acc[r] += _f16(w, b, 0, r) * part + _f16(w, b, 2, r) * xs[b]
 
 
 @njit(cache=True, fastmath=True)
