@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from inferno import kernels
-from inferno.cli.inspect import fill_cache, main
+from inferno.cli.inspect import main
 from inferno.engine import Engine
+from inferno.inspect import fill_cache
 from inferno.snapshot import Snapshot
 
 PROG = "kv-inspect"
