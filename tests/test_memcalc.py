@@ -11,7 +11,7 @@ from pathlib import Path
 import gguf
 import pytest
 from click.testing import CliRunner
-from conftest import DEFAULT_MODEL, ROOT
+from conftest import DEFAULT_MODEL
 
 from inferno.cli import memcalc as memcalc_cli
 from inferno.cli.memcalc import command, main
@@ -504,9 +504,9 @@ def test_errors_reach_the_shell_without_a_traceback():
     assert result.stdout == ""
 
 
-def test_bin_wrapper_runs_the_issue_command():
+def test_the_installed_command_runs_the_issue_command():
     result = subprocess.run(
-        [str(ROOT / "bin" / "kv-memcalc"), "--layers", "64", "--kv-heads", "8", "--json"],
+        [str(Path(sys.executable).with_name("kv-memcalc")), "--layers", "64", "--kv-heads", "8", "--json"],
         capture_output=True,
         text=True,
         check=False,
