@@ -40,6 +40,15 @@ def engine(model_path):
 
 
 @pytest.fixture
+def loaded_once(monkeypatch, engine):
+    """The commands get the session's engine instead of loading the model again (seconds per run)."""
+    from inferno.engine import Engine
+
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, path, progress=None: engine))
+    return engine
+
+
+@pytest.fixture
 def run_main(monkeypatch, capsys) -> Callable[..., tuple[int, str, str]]:
     """Run a command's main() in this process: (exit code, stdout, stderr)."""
 

@@ -12,7 +12,6 @@ import pytest
 from conftest import FIXTURES
 
 from inferno.cli.generate import main
-from inferno.engine import Engine
 
 PROG = "model-generate"
 TOKENIZER_FIXTURE = json.loads((FIXTURES / "tokenizer_smollm2.json").read_text(encoding="utf-8"))
@@ -189,8 +188,7 @@ def test_a_real_process_prints_one_line_and_no_traceback(tmp_path):
 
 
 @pytest.fixture
-def generate_loaded(run_main, monkeypatch, engine):
-    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, path, progress=None: engine))
+def generate_loaded(run_main, loaded_once):
     return lambda *args: json.loads(ok(run_main(main, PROG, "--json", *args)))
 
 

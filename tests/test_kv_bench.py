@@ -8,15 +8,13 @@ import pytest
 
 from inferno.bench.kv_modes import MODES, summary_row
 from inferno.cli.kv_bench import main
-from inferno.engine import Engine
 
 PROG = "kv-bench"
 
 
 @pytest.fixture
-def kv_bench(run_main, monkeypatch, engine):
-    """kv-bench in this process, with the session's engine instead of loading the model again."""
-    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, path, progress=None: engine))
+def kv_bench(run_main, monkeypatch, loaded_once):
+    """kv-bench in this process, with the session's engine."""
     monkeypatch.setenv("NO_COLOR", "1")
     return lambda *args: run_main(main, PROG, *args)
 

@@ -13,7 +13,6 @@ import pytest
 
 from inferno.cli.generate import main as generate_main
 from inferno.cli.inspect import main as inspect_main
-from inferno.engine import Engine
 from inferno.errors import InfernoError
 from inferno.generate import generate
 from inferno.gguf_file import open_gguf
@@ -24,13 +23,6 @@ from inferno.snapshot import Snapshot, model_fingerprint
 FIXTURES = Path(__file__).parent / "fixtures"
 PROMPT = "Once upon a time"
 PROMPT_IDS = [6403, 1980, 253, 655]
-
-
-@pytest.fixture
-def loaded_once(monkeypatch, engine):
-    """The CLIs get the session's engine instead of loading the model again (seconds per run)."""
-    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, path, progress=None: engine))
-    return engine
 
 
 @pytest.fixture
