@@ -77,3 +77,14 @@ def test_bad_flags_are_one_line_and_exit_2():
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip() == ("python -m inferno.bench: error: unknown engine(s) vllm; "
                                    "choose from inferno, llama.cpp, hf")
+
+
+def test_the_matvec_bench_runs_on_a_tiny_model():
+    model = TINY.with_name("tiny_qwen3.gguf")  # its 2-D weights are Q8_0
+    cmd = [sys.executable, "-m", "inferno.bench.matvec", "--model", str(model), "--no-compile",
+           "--threads", "1", "--seconds", "0.05"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines() if line.strip()}
+    assert rows["attn_q"][1:3] == ["Q8_0", "128x64"] and rows["token_embd"][1:3] == ["Q8_0", "320x64"]
+    assert "all" in rows and "threads=1" in rows
