@@ -30,7 +30,7 @@ lint: setup
 	$(BIN)/ruff check .
 
 bench: setup model
-	$(BIN)/python bin/bench
+	$(BIN)/python -m inferno.bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info

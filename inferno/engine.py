@@ -1,7 +1,7 @@
 """A loaded model ready to run: weights, tokenizer, compiled kernels, the cache a request needs, and
 the Python API the commands are thin users of:
 
-    engine = inferno.load("model.gguf")
+    engine = inferno.engine.load("model.gguf")
     for piece in engine.stream("Once upon a time", max_new_tokens=32, kv="prealloc"):
         print(piece, end="")
     run = engine.generate("Once upon a time", 32)     # a RunRecord: text, ids, metrics

@@ -10,6 +10,11 @@ prompt caches: safetensors, with the description in the JSON header's `__metadat
     __metadata__: format, version, architecture, layers, kv_heads, heads, head_dim,
                   fingerprint (sha256 of the model), data_sha256 (sha256 of the three tensors)
 
+The fingerprint is the sha256 of, in order: the JSON (Python's json.dumps) of
+`[architecture, {"layers": L, "kv_heads": KV, "heads": H, "head_dim": D}]`; then for each tensor, in
+the file's order, the line `"\n{name} {shape} {type}\n"` (shape as the GGUF header lists it, e.g.
+`[576, 49152]`, type the GGML type name, e.g. `Q8_0`) followed by the first 64 bytes of its data.
+
 Cached keys already carry their position's rotation, so rows are only valid at the positions they
 were computed for: a snapshot is reused as a prefix, never shifted.
 """

@@ -1,4 +1,5 @@
-"""Shared fixtures: the real default model (tests about the model skip only when it is absent)."""
+"""Shared fixtures: the real default model (tests about the model skip only when it is absent, and
+under CI=true its absence fails the run: a CI that skips most of the suite is not a green CI)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from inferno.cli.common import SPIN_COUNT
+from inferno.cli import common
 
-os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)  # as the commands do
+os.environ.setdefault("GOMP_SPINCOUNT", common.SPIN_COUNT)  # as the commands do
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL = ROOT / common.DEFAULT_MODEL
 FIXTURES = ROOT / "tests" / "fixtures"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if os.environ.get("CI", "").lower() in ("true", "1") and not DEFAULT_MODEL.is_file():
+        pytest.exit(f"CI is set and the default model {common.DEFAULT_MODEL} is absent: "
+                    "fetch it with `make model`", returncode=1)
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +37,15 @@ def engine(model_path):
     from inferno.engine import Engine
 
     return Engine.load(model_path)
+
+
+@pytest.fixture
+def loaded_once(monkeypatch, engine):
+    """The commands get the session's engine instead of loading the model again (seconds per run)."""
+    from inferno.engine import Engine
+
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, path, progress=None: engine))
+    return engine
 
 
 @pytest.fixture

@@ -9,10 +9,12 @@ import sys
 import gguf
 import numpy as np
 import pytest
+from conftest import FIXTURES
 
 from inferno.cli.generate import main
 
 PROG = "model-generate"
+TOKENIZER_FIXTURE = json.loads((FIXTURES / "tokenizer_smollm2.json").read_text(encoding="utf-8"))
 
 
 @pytest.fixture
@@ -180,3 +182,60 @@ def test_a_real_process_prints_one_line_and_no_traceback(tmp_path):
     assert done.returncode == 2
     assert done.stderr == f"{PROG}: error: {missing}: no such file\n"
     assert "Traceback" not in done.stderr
+
+
+# -- sampling, --chat, --prompt-file: with the session's engine, not a load per run ---------------
+
+
+@pytest.fixture
+def generate_loaded(run_main, loaded_once):
+    return lambda *args: json.loads(ok(run_main(main, PROG, "--json", *args)))
+
+
+def ok(result) -> str:
+    code, out, err = result
+    assert code == 0, err
+    return out
+
+
+def test_sampling_with_a_seed_is_repeatable(generate_loaded):
+    def ids(seed: int) -> list[int]:
+        return generate_loaded("--temperature", "1.2", "--seed", seed, "Once upon a time", 6)["token_ids"]
+
+    first = ids(7)
+    assert ids(7) == first and ids(8) != first
+
+
+def test_chat_applies_the_models_template(generate_loaded, engine):
+    chat = TOKENIZER_FIXTURE["chats"][0]  # one user message, with the generation prompt
+    assert len(chat["messages"]) == 1 and chat["add_generation_prompt"]
+    report = generate_loaded("--chat", chat["messages"][0]["content"], 2)
+    assert report["prompt"] == chat["rendered"]  # transformers' rendering of the same template
+    ids = report["prompt_ids"]
+    assert ids == engine.tokenizer.encode(chat["rendered"])
+    # Each of the three turns (system, user, the assistant's to come) opens with <|im_start|>, one token.
+    im_start = engine.tokenizer.encode("<|im_start|>")
+    assert im_start == [1] and ids[0] == 1 and ids.count(1) == 3
+    without = generate_loaded(chat["messages"][0]["content"], 2)
+    assert without["prompt"] == chat["messages"][0]["content"] and 1 not in without["prompt_ids"]
+
+
+def test_prompt_file_is_the_prompt(generate_loaded, tmp_path):
+    path = tmp_path / "prompt.txt"
+    path.write_text("Once upon a time", encoding="utf-8")
+    from_file = generate_loaded("--prompt-file", path, 4)
+    assert from_file["prompt_ids"] == [6403, 1980, 253, 655]  # transformers' ids of the text
+    assert from_file["token_ids"] == generate_loaded("Once upon a time", 4)["token_ids"]
+    text = "Line one,\n  line two: café ☕\n"
+    path.write_text(text, encoding="utf-8")
+    assert generate_loaded("--prompt-file", path, 1)["prompt"] == text  # newlines and all, as written
+
+
+def test_prompt_file_problems_are_refused(generate, tmp_path):
+    assert_refused(generate("--prompt-file", tmp_path / "none.txt", "3"), "cannot read --prompt-file")
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("café".encode("latin-1"))
+    assert_refused(generate("--prompt-file", bad, "3"), "cannot read --prompt-file")
+    good = tmp_path / "p.txt"
+    good.write_text("hi")
+    assert_refused(generate("--prompt-file", good, "model.gguf", "hi", "3"), "too many arguments")

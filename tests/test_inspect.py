@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from inferno import kernels
-from inferno.cli.inspect import fill_cache, main
-from inferno.engine import Engine
+from inferno.cli.inspect import main
+from inferno.inspect import fill_cache
 from inferno.snapshot import Snapshot
 
 PROG = "kv-inspect"
@@ -19,9 +19,8 @@ LAYER = 5
 
 
 @pytest.fixture
-def kv_inspect(run_main, monkeypatch, engine, model_path):
-    """kv-inspect in this process, with the session's engine instead of loading the model again."""
-    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, path, progress=None: engine))
+def kv_inspect(run_main, monkeypatch, loaded_once):
+    """kv-inspect in this process, with the session's engine."""
     monkeypatch.setenv("NO_COLOR", "1")
     return lambda *args: run_main(main, PROG, *args)
 

@@ -50,16 +50,29 @@ def test_rope_matches_the_definition(neox, rope_dim):
         np.testing.assert_array_equal(got.reshape(40, 4, 16)[tail], x.reshape(40, 4, 16)[tail])
 
 
+def rope_by_definition(row: np.ndarray, pos: int, n_heads: int, rope_dim: int, base: float, neox: bool):
+    """RoPE as defined: in each head, pair j (dimensions j and j + rope_dim/2 for NEOX, 2j and 2j + 1
+    otherwise) is the complex number x_a + i x_b, multiplied by e^(i pos theta_j), theta_j =
+    base^(-2j / rope_dim); dimensions past rope_dim stay."""
+    heads = row.astype(np.float64).reshape(n_heads, -1).copy()
+    j = np.arange(rope_dim // 2)
+    a, b = (j, j + rope_dim // 2) if neox else (2 * j, 2 * j + 1)
+    z = (heads[:, a] + 1j * heads[:, b]) * np.exp(1j * pos * base ** (-2 * j / rope_dim))
+    heads[:, a], heads[:, b] = z.real, z.imag
+    return heads.reshape(-1)
+
+
 @pytest.mark.parametrize("neox", [False, True])
-def test_rope_single_row_equals_the_matching_row_of_the_sequence(neox):
-    inv_freq = rope_frequencies(config(neox=neox))
-    x = rng.standard_normal((300, 64), dtype=np.float32)
-    whole = x.copy()
-    kernels.rope(whole, 0, 4, inv_freq, neox)
-    for pos in (0, 1, 17, 299):
-        row = x[pos].copy()
+@pytest.mark.parametrize("rope_dim", [16, 8])
+def test_rope_single_row_is_the_rotation_of_the_definition(neox, rope_dim):
+    inv_freq = (10000.0 ** (-np.arange(0, rope_dim, 2) / rope_dim)).astype(np.float32)
+    np.testing.assert_allclose(rope_frequencies(config(rope_dim, neox)), inv_freq, rtol=1e-6)
+    x = rng.standard_normal(64, dtype=np.float32)
+    for pos in (0, 1, 17, 299, 4000):
+        row = x.copy()
         kernels.rope_single_row(row, pos, 4, inv_freq, neox)
-        np.testing.assert_array_equal(row, whole[pos])
+        np.testing.assert_allclose(row, rope_by_definition(x, pos, 4, rope_dim, 10000.0, neox), atol=2e-3)
+    assert not np.allclose(row, rope_by_definition(x, 4000, 4, rope_dim, 10000.0, not neox), atol=0.1)
 
 
 def test_rmsnorm():

@@ -11,7 +11,7 @@ from pathlib import Path
 import gguf
 import pytest
 from click.testing import CliRunner
-from conftest import DEFAULT_MODEL, ROOT
+from conftest import DEFAULT_MODEL, FIXTURES
 
 from inferno.cli import memcalc as memcalc_cli
 from inferno.cli.memcalc import command, main
@@ -506,9 +506,9 @@ def test_errors_reach_the_shell_without_a_traceback():
     assert result.stdout == ""
 
 
-def test_bin_wrapper_runs_the_issue_command():
+def test_the_installed_command_runs_the_issue_command():
     result = subprocess.run(
-        [str(ROOT / "bin" / "kv-memcalc"), "--layers", "64", "--kv-heads", "8", "--json"],
+        [str(Path(sys.executable).with_name("kv-memcalc")), "--layers", "64", "--kv-heads", "8", "--json"],
         capture_output=True,
         text=True,
         check=False,
@@ -525,7 +525,7 @@ def test_bin_wrapper_runs_the_issue_command():
 # --- deployments: config.json, GPUs, tensor and pipeline parallelism, engines ---------------------
 
 # Hand-written from the models' published config.json files; see tests/fixtures/hf_configs/README.md.
-HF_CONFIGS = ROOT / "tests" / "fixtures" / "hf_configs"
+HF_CONFIGS = FIXTURES / "hf_configs"
 LLAMA_70B = str(HF_CONFIGS / "llama-3.1-70b.json")
 DEEPSEEK_V3 = str(HF_CONFIGS / "deepseek-v3.json")
 

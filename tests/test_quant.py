@@ -17,7 +17,6 @@ from gguf import GGMLQuantizationType as Q
 from inferno.errors import InfernoError
 from inferno.quant import SUPPORTED, WIDE_TILE_ROWS, QuantizedMatrix, tensor_to_float32
 
-MODEL = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 
@@ -151,10 +150,8 @@ def test_bad_shapes_are_rejected(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def model():
-    if not MODEL.exists():
-        pytest.skip(f"{MODEL.name} not downloaded (make model)")
-    return {t.name: t for t in gguf.GGUFReader(MODEL).tensors}
+def model(model_path):
+    return {t.name: t for t in gguf.GGUFReader(model_path).tensors}
 
 
 REAL_WEIGHTS = [("blk.3.ffn_down.weight", Q.Q4_1), ("token_embd.weight", Q.Q8_0)]

@@ -7,12 +7,12 @@ import hashlib
 import json
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 
 from inferno.cli.generate import main as generate_main
 from inferno.cli.inspect import main as inspect_main
-from inferno.engine import Engine
 from inferno.errors import InfernoError
 from inferno.generate import generate
 from inferno.gguf_file import open_gguf
@@ -23,13 +23,6 @@ from inferno.snapshot import Snapshot, model_fingerprint
 FIXTURES = Path(__file__).parent / "fixtures"
 PROMPT = "Once upon a time"
 PROMPT_IDS = [6403, 1980, 253, 655]
-
-
-@pytest.fixture
-def loaded_once(monkeypatch, engine):
-    """The CLIs get the session's engine instead of loading the model again (seconds per run)."""
-    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, path, progress=None: engine))
-    return engine
 
 
 @pytest.fixture
@@ -100,9 +93,54 @@ def test_header_is_plain_json_strings(prompt_snapshot):
     assert header["token_ids"]["dtype"] == "I32" and header["token_ids"]["shape"] == [4]
 
 
-def test_fingerprint_is_the_models_and_stable(engine, model_path):
-    assert model_fingerprint(open_gguf(model_path)) == engine.fingerprint
-    assert len(engine.fingerprint) == 64
+def fingerprint_by_spec(path: Path) -> str:
+    """The fingerprint as the snapshot module's docstring specifies it, from the stock gguf reader's
+    metadata and the file's own bytes."""
+    reader = gguf.GGUFReader(path)
+
+    def meta(key: str):
+        return reader.fields[key].contents()
+
+    arch = meta("general.architecture")
+    heads = meta(f"{arch}.attention.head_count")
+    head_dim = (meta(f"{arch}.attention.key_length") if f"{arch}.attention.key_length" in reader.fields
+                else meta(f"{arch}.embedding_length") // heads)
+    geometry = {"layers": meta(f"{arch}.block_count"), "kv_heads": meta(f"{arch}.attention.head_count_kv"),
+                "heads": heads, "head_dim": head_dim}
+    digest = hashlib.sha256(json.dumps([arch, geometry]).encode())
+    with path.open("rb") as f:
+        for tensor in reader.tensors:
+            shape = [int(n) for n in tensor.shape]
+            digest.update(f"\n{tensor.name} {shape} {tensor.tensor_type.name}\n".encode())
+            f.seek(tensor.data_offset)
+            digest.update(f.read(64))
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
+def test_fingerprint_follows_its_specification(name):
+    path = FIXTURES / f"{name}.gguf"
+    assert model_fingerprint(open_gguf(path)) == fingerprint_by_spec(path)
+
+
+def test_the_models_fingerprint_follows_its_specification(engine, model_path):
+    assert engine.fingerprint == fingerprint_by_spec(model_path)
+
+
+def test_fingerprint_tells_weights_apart_by_their_first_bytes(tmp_path):
+    original = FIXTURES / "tiny_llama.gguf"
+    tensor = next(t for t in gguf.GGUFReader(original).tensors if t.name == "blk.1.ffn_down.weight")
+
+    def fingerprint_with_byte_flipped(offset: int) -> str:
+        data = bytearray(original.read_bytes())
+        data[tensor.data_offset + offset] ^= 0xFF
+        path = tmp_path / f"flipped_{offset}.gguf"
+        path.write_bytes(data)
+        return model_fingerprint(open_gguf(path))
+
+    ours = model_fingerprint(open_gguf(original))
+    assert fingerprint_with_byte_flipped(3) != ours  # another fine-tune of the same shapes
+    assert fingerprint_with_byte_flipped(100) == ours  # past the bytes sampled: the rest is not read
 
 
 def test_a_prompt_equal_to_the_snapshot_leaves_its_last_token_to_prefill(engine, prompt_snapshot):

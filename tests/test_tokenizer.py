@@ -17,18 +17,12 @@ from inferno.gguf_file import open_gguf
 from inferno.tokenizer import CONTROL, USER_DEFINED, GGUFTokenizer, StreamDecoder
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 FIXTURE = json.loads((ROOT / "tests" / "fixtures" / "tokenizer_smollm2.json").read_text(encoding="utf-8"))
 CASES = FIXTURE["cases"]
 
-needs_model = pytest.mark.skipif(
-    not MODEL.exists(), reason=f"{MODEL.name} is absent (fetch it with `make model`)"
-)
-
-
 @pytest.fixture(scope="module")
-def model_reader() -> gguf.GGUFReader:
-    return open_gguf(MODEL)
+def model_reader(model_path: Path) -> gguf.GGUFReader:
+    return open_gguf(model_path)
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +46,12 @@ def test_fixture_has_a_broad_corpus() -> None:
     assert any(case["text"] == "" for case in CASES)
 
 
-@needs_model
 def test_encode_matches_transformers(tok: GGUFTokenizer) -> None:
     expected = [case["ids"] for case in CASES]
     actual = [tok.encode(case["text"]) for case in CASES]
     assert actual == expected, mismatches(expected, actual)
 
 
-@needs_model
 def test_decode_matches_transformers(tok: GGUFTokenizer) -> None:
     expected = [case["decoded"] for case in CASES]
     actual = [tok.decode(case["ids"]) for case in CASES]
@@ -70,21 +62,18 @@ def test_decode_matches_transformers(tok: GGUFTokenizer) -> None:
         assert tok.decode(tok.encode(case["text"])) == case["text"]
 
 
-@needs_model
 @pytest.mark.parametrize("chat", FIXTURE["chats"], ids=lambda chat: f"{len(chat['messages'])}msg")
 def test_chat_template_matches_transformers(tok: GGUFTokenizer, chat: dict[str, Any]) -> None:
     rendered = tok.apply_chat_template(chat["messages"], add_generation_prompt=chat["add_generation_prompt"])
     assert rendered == chat["rendered"]
 
 
-@needs_model
 def test_stream_decoder_reproduces_full_decode(tok: GGUFTokenizer) -> None:
     expected = [case["decoded"] for case in CASES]
     actual = ["".join(stream(tok, case["ids"])) for case in CASES]
     assert actual == expected, mismatches(expected, actual)
 
 
-@needs_model
 def test_stream_decoder_holds_back_a_split_character(tok: GGUFTokenizer) -> None:
     ids = tok.encode("a😀")
     assert len(ids) > 2, "the emoji should take several byte-level tokens"
@@ -94,14 +83,12 @@ def test_stream_decoder_holds_back_a_split_character(tok: GGUFTokenizer) -> None
     assert pieces[-2:] == ["😀", ""]
 
 
-@needs_model
 def test_stream_decoder_flushes_a_cut_off_character_like_decode(tok: GGUFTokenizer) -> None:
     ids = tok.encode("x👨‍👩‍👧 y")
     for end in range(len(ids) + 1):
         assert "".join(stream(tok, ids[:end])) == tok.decode(ids[:end])
 
 
-@needs_model
 def test_smollm2_properties(tok: GGUFTokenizer) -> None:
     assert (tok.bos_id, tok.eos_id, tok.add_bos, tok.vocab_size) == (1, 2, False, 49152)
     assert tok.encode("<|im_start|>user\nhi<|im_end|>")[0] == 1
@@ -109,7 +96,6 @@ def test_smollm2_properties(tok: GGUFTokenizer) -> None:
     assert [i for i in range(100) if tok.is_stop(i)] == [0, 2]
 
 
-@needs_model
 def test_token_text_is_readable(tok: GGUFTokenizer) -> None:
     the = tok.encode(" the")
     assert len(the) == 1
@@ -119,7 +105,6 @@ def test_token_text_is_readable(tok: GGUFTokenizer) -> None:
     assert tok.token_text(first_byte).startswith("\\x")
 
 
-@needs_model
 def test_chat_template_default_adds_generation_prompt(tok: GGUFTokenizer) -> None:
     rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert rendered.endswith("<|im_start|>assistant\n")
@@ -140,7 +125,6 @@ def write_variant(source: gguf.GGUFReader, path: Path, overrides: dict[str, Any]
     writer.close()
 
 
-@needs_model
 @pytest.mark.parametrize("variant", FIXTURE["variants"], ids=lambda v: v["overrides"]["tokenizer.ggml.pre"])
 def test_other_pre_tokenizers_match_transformers(
     model_reader: gguf.GGUFReader, tmp_path: Path, variant: dict[str, Any]

@@ -2,16 +2,16 @@
 
 Runs the prompt (and --decode N greedy tokens) into a prealloc cache, or reads a saved snapshot, and
 shows the cache's geometry, how full it is, the tokens it holds, the mean L2 norm of K and V per layer
-and KV head, and with --layer L what the last query of that layer attends to.
+and KV head, and with --layer L what the last query of that layer attends to. The analysis is
+`inferno.inspect`'s; this module parses flags and draws.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 import numpy as np
@@ -23,11 +23,8 @@ from inferno.cli.common import blame, console, default_model, looks_like_model, 
 from inferno.cli.display import fmt_bytes
 from inferno.errors import InfernoError
 from inferno.gguf_file import GGUF_MAGIC
-from inferno.kv import KVCache, KVGeometry
+from inferno.inspect import inspect_prompt, inspect_snapshot
 from inferno.snapshot import Snapshot
-
-if TYPE_CHECKING:
-    from inferno.engine import Engine  # loading it pulls in the model and its kernels
 
 PROG = "kv-inspect"
 # Plasma, dark to bright: a sequential scale that stays readable where colour is scarce.
@@ -45,77 +42,6 @@ def is_snapshot_file(arg: str) -> bool:
         return f.read(len(GGUF_MAGIC)) != GGUF_MAGIC
 
 
-def fill_cache(
-    engine: Engine, prompt_ids: Sequence[int], n_decode: int, max_context: int | None
-) -> tuple[KVCache, list[int], list[np.ndarray]]:
-    """Run the prompt and n_decode greedy tokens into a prealloc cache: (cache, token ids, queries).
-
-    The last token goes through decode, which hands over each layer's query row after RoPE.
-    """
-    with blame("--max-context", max_context):
-        cache = engine.make_cache("prealloc", len(prompt_ids), n_decode, max_context)
-    model, ids = engine.model, list(prompt_ids)
-    if len(ids) > 1:
-        model.prefill(np.array(ids[:-1]), cache)
-    queries: list[np.ndarray] = []
-    for step in range(n_decode + 1):
-        last = step == n_decode
-        logits = model.decode(ids[-1], len(ids) - 1, cache, queries=queries if last else None)
-        if not last:
-            ids.append(int(np.argmax(logits)))  # greedy
-    return cache, ids, queries
-
-
-def mean_norms(rows: np.ndarray, kv_heads: int) -> list[list[float]]:
-    """Mean over positions of each KV head's L2 norm: [layers, length, kv_width] -> [layers][kv_heads]."""
-    layers, length, width = rows.shape
-    heads = rows.reshape(layers, length, kv_heads, width // kv_heads).astype(np.float64)
-    return np.linalg.norm(heads, axis=-1).mean(axis=1).tolist()
-
-
-def attention_weights(query: np.ndarray, keys: np.ndarray, geometry: KVGeometry) -> np.ndarray:
-    """softmax(q . k / sqrt(head_dim)) of each query head over all positions: [heads, length].
-
-    Query head h reads KV head h // (heads / kv_heads), as grouped-query attention does.
-    """
-    g = geometry
-    q = query.reshape(g.kv_heads, g.heads // g.kv_heads, g.head_dim).astype(np.float64)
-    k = keys.reshape(-1, g.kv_heads, g.head_dim).astype(np.float64)
-    scores = np.einsum("hgd,shd->hgs", q, k).reshape(g.heads, -1) / np.sqrt(g.head_dim)
-    weights = np.exp(scores - scores.max(axis=1, keepdims=True))
-    return weights / weights.sum(axis=1, keepdims=True)
-
-
-def build_report(
-    snapshot: Snapshot, capacity: int, bytes_allocated: int, texts: list[str] | None
-) -> dict[str, Any]:
-    """Everything kv-inspect shows about a cache's contents, as plain data (the --json output)."""
-    g = snapshot.geometry
-    tokens = [{"pos": pos, "id": int(token_id)} for pos, token_id in enumerate(snapshot.token_ids)]
-    if texts is not None:
-        for token, text in zip(tokens, texts, strict=True):
-            token["text"] = text
-    return {
-        "architecture": snapshot.architecture,
-        "fingerprint": snapshot.fingerprint,
-        "layers": g.layers,
-        "kv_heads": g.kv_heads,
-        "heads": g.heads,
-        "head_dim": g.head_dim,
-        "kv_width": g.kv_width,
-        "dtype": str(snapshot.keys.dtype),
-        "k_after_rope": True,
-        "length": snapshot.length,
-        "capacity": capacity,
-        "bytes_per_token": g.nbytes(1, snapshot.keys.itemsize),
-        "bytes_used": snapshot.nbytes,
-        "bytes_allocated": bytes_allocated,
-        "tokens": tokens,
-        "key_norms": mean_norms(snapshot.keys, g.kv_heads),
-        "value_norms": mean_norms(snapshot.values, g.kv_heads),
-    }
-
-
 def inspect_model(
     model_path: Path,
     prompt: str,
@@ -131,17 +57,9 @@ def inspect_model(
     layers = engine.config.n_layers
     if layer is not None and not 0 <= layer < layers:
         raise InfernoError(f"--layer {layer} does not exist: the model has layers 0..{layers - 1}")
-    tok = engine.tokenizer
-    cache, ids, queries = fill_cache(engine, tok.encode(prompt), n_decode, max_context)
-    snapshot = Snapshot.from_cache(cache, ids, engine.config, engine.fingerprint)
-    texts = [tok.token_text(token_id) for token_id in ids]
-    report = {"model": str(model_path), "cache": cache.kind}
-    report |= build_report(snapshot, cache.capacity, cache.nbytes, texts)
-    if layer is not None:
-        keys, _ = cache.read(layer)
-        weights = attention_weights(queries[layer], keys, snapshot.geometry)
-        report["attention"] = {"layer": layer, "query_pos": len(ids) - 1, "weights": weights.tolist()}
-    return report
+    with blame("--max-context", max_context):
+        report = inspect_prompt(engine, engine.tokenizer.encode(prompt), n_decode, layer, max_context)
+    return {"model": str(model_path)} | report
 
 
 def split_args(args: tuple[str, ...]) -> tuple[Path | None, str]:
@@ -178,8 +96,7 @@ def command(args, n_decode, layer, max_context, threads, as_json):
     if len(args) == 1 and is_snapshot_file(args[0]):
         if n_decode or layer is not None or max_context is not None:
             raise InfernoError("--decode, --layer and --max-context need a model, not a snapshot")
-        snapshot = Snapshot.load(args[0])
-        report = {"snapshot": args[0]} | build_report(snapshot, snapshot.length, snapshot.nbytes, None)
+        report = {"snapshot": args[0]} | inspect_snapshot(Snapshot.load(args[0]))
     else:
         model_path, prompt = split_args(args)
         status = None if as_json else console(stderr=True)

@@ -7,41 +7,11 @@ import sys
 
 import click
 
+from inferno.bench.kv_modes import MODES, run_modes, summary_row
 from inferno.cli.common import console, default_model, progress_on, run, set_threads
 from inferno.errors import InfernoError
-from inferno.kv import KINDS
 
 PROG = "kv-bench"
-MODES = ("off", *KINDS)
-
-
-def bench(engine, prompt_ids: list[int], new_tokens: int, modes: tuple[str, ...]) -> dict:
-    """Run each mode on the same prompt (greedy, no early stop); their metrics and token ids."""
-    from inferno.generate import generate
-    from inferno.sampling import Sampler
-
-    results = {}
-    for mode in modes:
-        kind = None if mode == "off" else mode
-        cache = engine.make_cache(kind, len(prompt_ids), new_tokens)
-        done = generate(engine.model, prompt_ids, new_tokens, Sampler(), cache=cache)
-        results[mode] = {"token_ids": done.token_ids, "metrics": done.metrics.to_json()}
-    return results
-
-
-def summary_row(metrics: dict, window: int) -> dict:
-    """The figures the table shows, with the flatness ratio: last `window` decodes over the first."""
-    decodes = metrics["per_forward_ms"][1:]
-    n = min(window, len(decodes) // 2) or 1
-    first, last = decodes[:n], decodes[-n:]
-    return {
-        "ttft_ms": metrics["ttft_ms"],
-        "decode_tok_s": metrics["decode_tok_s"],
-        "first_forward_ms": sum(first) / len(first) if decodes else None,
-        "last_forward_ms": sum(last) / len(last) if decodes else None,
-        "last_over_first": (sum(last) / sum(first)) if decodes else None,
-        "cache_bytes": metrics["cache_bytes"],
-    }
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -67,7 +37,7 @@ def command(model, prompt, new_tokens, modes, window, threads, as_json):
     err = console(stderr=True)
     engine = Engine.load(model or default_model(), progress=None if as_json else progress_on(err))
     prompt_ids = engine.tokenizer.encode(prompt)
-    results = bench(engine, prompt_ids, new_tokens, chosen)
+    results = run_modes(engine, prompt_ids, new_tokens, chosen)
     rows = {mode: summary_row(r["metrics"], window) for mode, r in results.items()}
     same = len({tuple(r["token_ids"]) for r in results.values()}) == 1
     if as_json:

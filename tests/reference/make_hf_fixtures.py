@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from importlib.metadata import version
 from pathlib import Path
 
@@ -22,7 +23,9 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_MODEL = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+sys.path.insert(0, str(REPO))  # this checkout's inferno, for its default model's name
+from inferno.cli.common import DEFAULT_MODEL  # noqa: E402
+
 DEFAULT_OUT = REPO / "tests" / "fixtures"
 
 N_NEW = 32  # greedy continuation length recorded for every prompt
@@ -141,7 +144,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("model", nargs="?", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("model", nargs="?", type=Path, default=REPO / DEFAULT_MODEL)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
 

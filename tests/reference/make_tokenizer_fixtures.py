@@ -31,7 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the vari
 from test_tokenizer import write_variant
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_MODEL = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+sys.path.insert(0, str(REPO))  # this checkout's inferno, for its default model's name
+from inferno.cli.common import DEFAULT_MODEL  # noqa: E402
+
 OUTPUT = REPO / "tests" / "fixtures" / "tokenizer_smollm2.json"
 
 # The same vocabulary under other names: tests/test_tokenizer.py writes these files the same way.
@@ -319,7 +321,7 @@ CHATS = [
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("model", nargs="?", type=Path, default=REPO / DEFAULT_MODEL)
     parser.add_argument("--out", type=Path, default=OUTPUT)
     args = parser.parse_args()
     model = args.model.resolve()

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Benchmark inferno.quant's matrix-vector kernels on the real model's weights.
 
 For each matrix: QuantizedMatrix.matvec against float32 np.dot on the dequantized matrix, timed side
@@ -7,7 +6,7 @@ second. Each thread count runs in its own process so OpenBLAS gets the same coun
 reports the JIT cold-compile time (fresh Numba cache), the whole-model load/repack time and one decode
 step's matvecs as the model makes them (weights streaming from memory), per block type and in all.
 
-Run with the project's virtualenv python, e.g. `.venv/bin/python bin/bench-matvec`.
+Run with the project's virtualenv python: `.venv/bin/python -m inferno.bench.matvec`.
 """
 
 from __future__ import annotations
@@ -20,10 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from inferno.cli.common import default_model
+from inferno.errors import InfernoError
 
-DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 # (tensor, label): the 576x576, 1536x576 and 576x1536 Q4_1 matrices and the Q8_0 embedding/output.
 MATRICES = [
     ("blk.0.attn_q.weight", "attn_q"),
@@ -158,13 +156,17 @@ def bench_worker(model: Path, threads: int, seconds: float) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--model", type=Path, default=None, help="GGUF file (default: the default model)")
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     ap.add_argument("--seconds", type=float, default=2.0, help="timing budget per comparison")
     ap.add_argument("--no-compile", action="store_true", help="skip the cold-compile measurement")
     ap.add_argument("--worker", choices=["compile", "bench"], help=argparse.SUPPRESS)
     ap.add_argument("--nthreads", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    try:
+        args.model = args.model or default_model()
+    except InfernoError as bad:
+        sys.exit(f"bench-matvec: error: {bad}")
     if not args.model.exists():
         sys.exit(f"bench-matvec: error: {args.model} not found (make model fetches it)")
     if args.worker == "compile":
@@ -172,7 +174,7 @@ def main() -> None:
     if args.worker == "bench":
         return bench_worker(args.model, args.nthreads, args.seconds)
 
-    me = [sys.executable, str(Path(__file__).resolve()), "--model", str(args.model)]
+    me = [sys.executable, "-m", "inferno.bench.matvec", "--model", str(args.model)]
     if not args.no_compile:
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "NUMBA_CACHE_DIR": cache}

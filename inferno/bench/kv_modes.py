@@ -1,0 +1,45 @@
+"""What a KV cache buys (`kv-bench`): one prompt generated with no cache and with each cache kind, side
+by side in one process, and the figures that show it: per-forward time climbs without a cache and stays
+flat with one."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from inferno.kv import KINDS
+
+if TYPE_CHECKING:
+    from inferno.engine import Engine  # loading it pulls in the model and its kernels
+
+MODES = ("off", *KINDS)  # off: no cache, every step reruns the whole sequence
+
+
+def run_modes(
+    engine: Engine, prompt_ids: list[int], new_tokens: int, modes: tuple[str, ...]
+) -> dict[str, Any]:
+    """Run each mode on the same prompt (greedy, no early stop): mode -> its token ids and metrics."""
+    from inferno.generate import generate
+    from inferno.sampling import Sampler
+
+    results = {}
+    for mode in modes:
+        kind = None if mode == "off" else mode
+        cache = engine.make_cache(kind, len(prompt_ids), new_tokens)
+        done = generate(engine.model, prompt_ids, new_tokens, Sampler(), cache=cache)
+        results[mode] = {"token_ids": done.token_ids, "metrics": done.metrics.to_json()}
+    return results
+
+
+def summary_row(metrics: dict[str, Any], window: int) -> dict[str, Any]:
+    """The figures the table shows, with the flatness ratio: last `window` decodes over the first."""
+    decodes = metrics["per_forward_ms"][1:]
+    n = min(window, len(decodes) // 2) or 1
+    first, last = decodes[:n], decodes[-n:]
+    return {
+        "ttft_ms": metrics["ttft_ms"],
+        "decode_tok_s": metrics["decode_tok_s"],
+        "first_forward_ms": sum(first) / len(first) if decodes else None,
+        "last_forward_ms": sum(last) / len(last) if decodes else None,
+        "last_over_first": (sum(last) / sum(first)) if decodes else None,
+        "cache_bytes": metrics["cache_bytes"],
+    }

@@ -1,0 +1,90 @@
+"""The benchmark's machinery on the tiny llama fixture: prompts cut to length, every measurement of
+inferno run in its own process, aggregated and printed (competitors only when importable)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from inferno.bench.figures import Plan, common_prefix
+from inferno.bench.measure import Options, available, benchmark
+from inferno.bench.prompts import english_text, exact_prompt
+from inferno.bench.report import render
+from inferno.gguf_file import open_gguf
+from inferno.tokenizer import GGUFTokenizer
+
+TINY = Path(__file__).parent / "fixtures" / "tiny_llama.gguf"
+# Small enough for the tiny model's 256-token context, and quick.
+PLAN = Plan(prefill_tokens=40, deep_tokens=100, deep_new=4, decode_new=6)
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer() -> GGUFTokenizer:
+    return GGUFTokenizer.from_gguf(open_gguf(TINY))
+
+
+def test_english_text_is_the_same_on_every_run():
+    assert english_text(3) == english_text(3)
+    assert english_text(3).count(".") == 3 and not any(c.isdigit() or c == "\n" for c in english_text(50))
+
+
+@pytest.mark.parametrize("target", [1, 7, 40, 100])
+def test_prompts_are_cut_to_the_exact_token_count(tiny_tokenizer, target):
+    assert len(tiny_tokenizer.encode(exact_prompt(tiny_tokenizer, target))) == target
+
+
+def test_competitors_are_skipped_exactly_when_not_importable():
+    engines, skipped = available(["inferno", "llama.cpp", "hf"], sys.executable)
+    assert engines[0] == "inferno"
+    has_llama = importlib.util.find_spec("llama_cpp") is not None
+    assert ("llama.cpp" in engines) == has_llama and ("llama.cpp" in skipped) != has_llama
+    if "hf" in skipped:
+        assert "torch, transformers, gguf not importable" in skipped["hf"]
+
+
+def test_common_prefix():
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix([1], [1, 2]) == 1 and common_prefix([], [1]) == 0
+
+
+def test_the_bench_measures_inferno_in_child_processes(capsys):
+    logged: list[str] = []
+    result = benchmark(Options(TINY, threads=1, ctx=256, warm_up=False), PLAN, ["inferno"], logged.append)
+    assert result["errors"] == [] and result["plan"]["prefill_tokens"] == 40
+    inferno = result["engines"]["inferno"]
+    figures = inferno["figures"]
+    assert set(figures) == set(PLAN.figures) and all(v > 0 for v in figures.values()), figures
+    assert [run["measure"] for run in inferno["runs"]] == list(PLAN.measures)
+    assert inferno["version"].startswith("inferno ") and inferno["sample"]
+    # The children are real processes of their own: each loads the model and a Python (tens of MiB).
+    assert all(run["child_peak_rss_mib"] > 20 for run in inferno["runs"])
+    assert len(logged) == len(PLAN.measures)
+    json.dumps(result)  # what --json prints
+
+    render(result)
+    out = capsys.readouterr().out
+    assert "inferno bench" in out and "tiny_llama.gguf" in out and "tok/s @40" in out and "@100" in out
+
+
+def test_bad_flags_are_one_line_and_exit_2():
+    done = subprocess.run([sys.executable, "-m", "inferno.bench", "--engines", "inferno,vllm"],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip() == ("python -m inferno.bench: error: unknown engine(s) vllm; "
+                                   "choose from inferno, llama.cpp, hf")
+
+
+def test_the_matvec_bench_runs_on_a_tiny_model():
+    model = TINY.with_name("tiny_qwen3.gguf")  # its 2-D weights are Q8_0
+    cmd = [sys.executable, "-m", "inferno.bench.matvec", "--model", str(model), "--no-compile",
+           "--threads", "1", "--seconds", "0.05"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines() if line.strip()}
+    assert rows["attn_q"][1:3] == ["Q8_0", "128x64"] and rows["token_embd"][1:3] == ["Q8_0", "320x64"]
+    assert "all" in rows and "threads=1" in rows

@@ -1,0 +1,67 @@
+"""kv-bench: every mode on the same prompt gives the same greedy tokens, its JSON and table, refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from inferno.bench.kv_modes import MODES, summary_row
+from inferno.cli.kv_bench import main
+
+PROG = "kv-bench"
+
+
+@pytest.fixture
+def kv_bench(run_main, monkeypatch, loaded_once):
+    """kv-bench in this process, with the session's engine."""
+    monkeypatch.setenv("NO_COLOR", "1")
+    return lambda *args: run_main(main, PROG, *args)
+
+
+def test_json(kv_bench, engine):
+    code, out, err = kv_bench("-n", "6", "--window", "2", "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    assert set(r) == {"prompt_tokens", "new_tokens", "identical_tokens", "summary", "runs"}
+    assert (r["prompt_tokens"], r["new_tokens"], r["identical_tokens"]) == (4, 6, True)
+    assert list(r["summary"]) == list(r["runs"]) == list(MODES)
+    for mode in MODES:
+        row, run = r["summary"][mode], r["runs"][mode]
+        assert set(row) == {"ttft_ms", "decode_tok_s", "first_forward_ms", "last_forward_ms",
+                            "last_over_first", "cache_bytes"}
+        assert len(run["token_ids"]) == 6 and len(run["metrics"]["per_forward_ms"]) == 6
+        assert row == summary_row(run["metrics"], 2)
+        assert (row["cache_bytes"] == 0) == (mode == "off")
+    # Greedy from one prompt: the tokens model-generate gives, whatever the cache.
+    assert r["runs"]["off"]["token_ids"] == engine.generate("Once upon a time", 6, kv=None).token_ids
+
+
+def test_table(kv_bench):
+    code, out, err = kv_bench("-n", "4", "--modes", "off,prealloc", "--prompt", "Hi there")
+    assert code == 0, err
+    assert "KV cache modes, 2-token prompt, 4 new tokens" in out and "same tokens from every mode" in out
+    assert "prealloc" in out and "basic" not in out and "o off   p prealloc" in out
+
+
+def test_summary_row_compares_the_last_decodes_with_the_first():
+    metrics = {"per_forward_ms": [50.0, 1.0, 1.0, 2.0, 3.0, 3.0], "ttft_ms": 50.0, "decode_tok_s": 500.0,
+               "cache_bytes": 10}
+    row = summary_row(metrics, window=2)
+    assert (row["first_forward_ms"], row["last_forward_ms"], row["last_over_first"]) == (1.0, 3.0, 3.0)
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (("--modes", "off,paged"), "unknown mode paged (valid: off, basic, prealloc)"),
+        (("--modes", ","), "unknown mode (none)"),
+        (("-n", "1"), "--new-tokens must be at least 2, got 1"),
+        (("--threads", "0"), "--threads must be at least 1"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(kv_bench, args, fragment):
+    code, out, err = kv_bench(*args)
+    line = err.strip()
+    assert code == 2 and out == "" and "\n" not in line
+    assert line.startswith(f"{PROG}: error: ") and fragment in line
