@@ -1,4 +1,5 @@
-"""Shared fixtures: the real default model (tests about the model skip only when it is absent)."""
+"""Shared fixtures: the real models, SmolLM2 (the default) and Gemma 3 (tests about a model skip only
+when it is absent; `make test` fetches both)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)  # as the commands do
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA_MODEL = ROOT / "models" / "gemma-3-270m-q4_k_m.gguf"
 FIXTURES = ROOT / "tests" / "fixtures"
 
 
@@ -30,6 +32,20 @@ def engine(model_path):
     from inferno.engine import Engine
 
     return Engine.load(model_path)
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> Path:
+    if not GEMMA_MODEL.is_file():
+        pytest.skip(f"{GEMMA_MODEL.name} is absent (fetch it with `make model MODEL=gemma3`)")
+    return GEMMA_MODEL
+
+
+@pytest.fixture(scope="session")
+def gemma_engine(gemma_path):
+    from inferno.engine import Engine
+
+    return Engine.load(gemma_path)
 
 
 @pytest.fixture
