@@ -8,8 +8,7 @@ in a separate virtualenv, never the project's. Run from anywhere:
 It writes tests/fixtures/tokenizer_gemma3.json: the SmolLM2 tokenizer corpus plus Gemma's own markers, each
 text with transformers' ids and decode and llama.cpp's ids (`Llama(vocab_only=True).tokenize`, special tokens
 parsed as transformers parses them); and the ids transformers gives for the same vocabulary in a file that
-says `general.architecture = llama` (merges ranked by score, not vocabulary order), with and without
-`add_space_prefix`.
+says `general.architecture = llama` (merges ranked by score, not vocabulary order) and `add_space_prefix`.
 """
 
 from __future__ import annotations
@@ -37,7 +36,9 @@ DEFAULT_MODEL = REPO / "models" / "gemma-3-270m-q4_k_m.gguf"
 OUTPUT = REPO / "tests" / "fixtures" / "tokenizer_gemma3.json"
 
 # The same vocabulary in a file of architecture llama (what write_variant writes), as Llama 2 and Mistral are.
-VARIANTS: list[dict[str, Any]] = [{}, {"tokenizer.ggml.add_space_prefix": True}]
+# Only with add_space_prefix = true: transformers prepends ▁ to llama files whatever the flag says, while
+# llama.cpp (and inferno) follow a false one; Gemma's own file covers the no-prefix path against both.
+VARIANTS: list[dict[str, Any]] = [{"tokenizer.ggml.add_space_prefix": True}]
 
 # Gemma's control and user-defined tokens, look-alikes, and what SentencePiece does with spaces and bytes.
 GEMMA = [
