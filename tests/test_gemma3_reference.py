@@ -90,3 +90,18 @@ def test_cache_modes_agree_on_gemma(gemma_engine, mode):
     ids = prompt_ids(0)
     tokens, _ = greedy(gemma_engine, ids, 4, mode)
     assert tokens == ARRAYS["continuation_ids_0"][:4].tolist()
+
+
+@pytest.mark.parametrize(("layer", "window"), [(0, 512), (5, None)])
+def test_kv_inspect_local_layers_attend_only_to_their_window(gemma_engine, monkeypatch, layer, window):
+    from inferno.cli.inspect import inspect_model
+    from inferno.engine import Engine
+
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, path, status=None: gemma_engine))
+    report = inspect_model(gemma_engine, PROMPTS[LONG]["text"], 0, layer, None, None)
+    weights = np.array(report["attention"]["weights"])
+    assert weights.shape == (4, PROMPTS[LONG]["n_tokens"])
+    np.testing.assert_allclose(weights.sum(axis=1), 1.0, atol=1e-6)
+    outside = weights[:, : -window] if window else np.zeros(0)
+    assert (outside == 0).all() and (weights[:, -(window or 1) :] > 0).all()
+    assert window or (weights[:, 0] > 0.01).all()  # the global layer still reads the first token

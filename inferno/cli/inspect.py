@@ -138,7 +138,10 @@ def inspect_model(
     report |= build_report(snapshot, cache.capacity, cache.nbytes, texts)
     if layer is not None:
         keys, _ = cache.read(layer)
-        weights = attention_weights(queries[layer], keys, snapshot.geometry)
+        window = engine.config.layer_windows[layer]  # a sliding-window layer sees only its last rows
+        first = max(len(keys) - window, 0) if window else 0
+        weights = np.zeros((snapshot.geometry.heads, len(keys)))
+        weights[:, first:] = attention_weights(queries[layer], keys[first:], snapshot.geometry)
         report["attention"] = {"layer": layer, "query_pos": len(ids) - 1, "weights": weights.tolist()}
     return report
 
