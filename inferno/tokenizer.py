@@ -348,15 +348,16 @@ def _sentencepiece_tokenizer(
 
 
 def _merges_from_vocabulary(vocab: dict[str, int], priority: dict[str, float]) -> list[tuple[str, str]]:
-    """Every (left, right) pair of tokens that spells a token, best-ranked token first; within one
-    token the longer left piece first. The same list, in the same order, as transformers' generate_merges."""
+    """Every (left, right) pair of tokens that spells a token, best-ranked token first; within one token
+    the longer left piece first; ties in vocabulary order. The list transformers' generate_merges makes."""
     ranked = []
     for token, score in priority.items():
-        pairs = [(token[:i], token[i:]) for i in range(1, len(token))]
-        pairs = sorted((vocab[a], vocab[b], a, b) for a, b in pairs if a in vocab and b in vocab)
-        ranked += [(score, len(a), len(b), a, b) for _, _, a, b in pairs]
-    ranked.sort(key=lambda m: m[:3], reverse=True)  # stable: ties keep the order above
-    return [(a, b) for _, _, _, a, b in ranked]
+        for i in range(1, len(token)):
+            left = token[:i]
+            if left in vocab and (right := token[i:]) in vocab:
+                ranked.append((score, i, len(token) - i, left, right))
+    ranked.sort(key=lambda m: m[:3], reverse=True)  # stable: equal keys keep the vocabulary's order
+    return [(left, right) for _, _, _, left, right in ranked]
 
 
 def _add_special_tokens(
@@ -379,11 +380,10 @@ def _add_special_tokens(
         if (kind == CONTROL or i in named) and (alphabet is None or set(token) <= alphabet)
     ]
     tokenizer.add_special_tokens(special)
-    vocab = tokenizer.get_vocab()
     user_defined = [
         AddedToken(token, normalized=False, special=False)
         for token, kind in zip(tokens, token_types, strict=True)
-        if kind == USER_DEFINED and token in vocab
+        if kind == USER_DEFINED and tokenizer.token_to_id(token) is not None
     ]
     tokenizer.add_tokens(user_defined)
 
