@@ -1,16 +1,23 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-MODEL  := models/SmolLM2-135M-Instruct.Q4_1.gguf
+# MODEL names a model bin/fetch-model knows: `make run MODEL=gemma3`
+MODEL  ?= smollm2
+MODEL_FILE_smollm2 := models/SmolLM2-135M-Instruct.Q4_1.gguf
+MODEL_FILE_gemma3  := models/gemma-3-270m-q4_k_m.gguf
+MODEL_FILE := $(MODEL_FILE_$(MODEL))
+ifeq ($(MODEL_FILE),)
+$(error unknown MODEL '$(MODEL)' (known: smollm2, gemma3))
+endif
 
-.PHONY: run test setup model lint bench clean
+.PHONY: run test setup model models lint bench clean
 
-## run: set up, fetch the default model and generate 32 tokens with the prealloc KV cache
+## run: set up, fetch the model (MODEL=smollm2 or gemma3) and generate 32 tokens with the prealloc KV cache
 run: setup model
-	$(BIN)/model-generate --kv prealloc $(MODEL) "Once upon a time" 32
+	$(BIN)/model-generate --kv prealloc $(MODEL_FILE) "Once upon a time" 32
 
-## test: set up, fetch the default model and run the test suite
-test: setup model
+## test: set up, fetch every model the tests use and run the test suite
+test: setup models
 	$(BIN)/pytest -q
 
 setup: $(VENV)/.installed
@@ -21,16 +28,21 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $@
 
-model: $(MODEL)
+model: $(MODEL_FILE)
 
-$(MODEL):
-	PYTHON=$(BIN)/python bin/fetch-model
+models: $(MODEL_FILE_smollm2) $(MODEL_FILE_gemma3)
+
+$(MODEL_FILE_smollm2):
+	PYTHON=$(BIN)/python bin/fetch-model smollm2
+
+$(MODEL_FILE_gemma3):
+	PYTHON=$(BIN)/python bin/fetch-model gemma3
 
 lint: setup
 	$(BIN)/ruff check .
 
 bench: setup model
-	$(BIN)/python -m inferno.bench
+	$(BIN)/python -m inferno.bench --model $(MODEL_FILE)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

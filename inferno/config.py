@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from gguf import GGUFReader
@@ -17,7 +18,15 @@ ARCHITECTURES = {
     "llama": dict(rope_neox=False, qkv_bias=False, qk_norm=False),
     "qwen2": dict(rope_neox=True, qkv_bias=True, qk_norm=False),
     "qwen3": dict(rope_neox=True, qkv_bias=False, qk_norm=True),
+    # gemma3 also scales embeddings, gates its FFN with GELU (tanh) and norms each block's outputs
+    # (see _gemma3); its norm weights are stored as 1 + w, so they apply like anyone else's.
+    "gemma3": dict(rope_neox=True, qkv_bias=False, qk_norm=True),
 }
+
+# What a gemma3 file does not say and llama.cpp and transformers both assume: every sixth layer is
+# global, the others see a sliding window, and the sliding layers rotate with RoPE base 10000.
+GEMMA3_GLOBAL_EVERY = 6
+GEMMA3_SLIDING_ROPE_BASE = 10000.0
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,18 @@ class ModelConfig:
     qk_norm: bool
     bos_id: int | None
     eos_id: int | None
+    # Per layer: how many positions (its own included) a query sees, None for all of them. A query at
+    # position p then attends to keys p - W + 1 .. p: the cache need not keep older rows for that layer.
+    layer_windows: tuple[int | None, ...] = ()  # () is every layer global
+    layer_rope_bases: tuple[float, ...] = ()  # () is rope_base on every layer
+    embedding_scale: float = 1.0  # token embeddings are multiplied by it (gemma3: sqrt(hidden))
+    ffn_activation: str = "silu"  # of the gated FFN: "silu" or "gelu_tanh"
+
+    def __post_init__(self) -> None:
+        if not self.layer_windows:
+            object.__setattr__(self, "layer_windows", (None,) * self.n_layers)
+        if not self.layer_rope_bases:
+            object.__setattr__(self, "layer_rope_bases", (self.rope_base,) * self.n_layers)
 
     @property
     def q_width(self) -> int:
@@ -47,7 +68,8 @@ class ModelConfig:
 
     @property
     def kv_geometry(self) -> KVGeometry:
-        return KVGeometry(self.n_layers, self.n_kv_heads, self.n_heads, self.head_dim)
+        windows = self.layer_windows if any(w is not None for w in self.layer_windows) else ()
+        return KVGeometry(self.n_layers, self.n_kv_heads, self.n_heads, self.head_dim, windows)
 
     @classmethod
     def from_gguf(cls, reader: GGUFReader) -> ModelConfig:
@@ -77,16 +99,23 @@ class ModelConfig:
         vocab = metadata(reader, f"{arch}.vocab_size")
         if vocab is None:
             vocab = next(int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight")
+        n_layers = int(need("block_count"))
+        rope_base = float(metadata(reader, f"{arch}.rope.freq_base", 10000.0))
+        extra = (
+            _gemma3(n_layers, hidden, rope_base, int(need("attention.sliding_window")))
+            if arch == "gemma3"
+            else {}
+        )
         return cls(
             architecture=arch,
-            n_layers=int(need("block_count")),
+            n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=n_kv_heads,
             head_dim=head_dim,
             hidden_size=hidden,
             ffn_size=int(need("feed_forward_length")),
             vocab_size=int(vocab),
-            rope_base=float(metadata(reader, f"{arch}.rope.freq_base", 10000.0)),
+            rope_base=rope_base,
             rope_dim=int(metadata(reader, f"{arch}.rope.dimension_count", head_dim)),
             rms_eps=float(need("attention.layer_norm_rms_epsilon")),
             context_length=int(need("context_length")),
@@ -94,4 +123,16 @@ class ModelConfig:
             bos_id=metadata(reader, "tokenizer.ggml.bos_token_id"),
             eos_id=metadata(reader, "tokenizer.ggml.eos_token_id"),
             **ARCHITECTURES[arch],
+            **extra,
         )
+
+
+def _gemma3(n_layers: int, hidden: int, rope_base: float, window: int) -> dict:
+    """gemma3's fields beyond plain llama: layers 5, 11, 17, ... global, the rest local."""
+    is_global = [(i + 1) % GEMMA3_GLOBAL_EVERY == 0 for i in range(n_layers)]
+    return dict(
+        layer_windows=tuple(None if g else window for g in is_global),
+        layer_rope_bases=tuple(rope_base if g else GEMMA3_SLIDING_ROPE_BASE for g in is_global),
+        embedding_scale=math.sqrt(hidden),
+        ffn_activation="gelu_tanh",
+    )

@@ -66,14 +66,18 @@ def mean_norms(cache: KVCache) -> tuple[list[list[float]], list[list[float]]]:
 def attention_weights(cache: KVCache, layer: int, query: np.ndarray) -> np.ndarray:
     """softmax(q . k / sqrt(head_dim)) of each query head over the committed positions: [heads, length].
 
-    Query head h reads KV head h // group_size, as grouped-query attention does.
+    Query head h reads KV head h // group_size, as grouped-query attention does; a sliding-window
+    layer sees only its last `window` positions (weight 0 before them).
     """
     g = cache.geometry
     keys, _ = cache.read(layer)
+    window = g.window(layer)
+    first = max(len(keys) - window, 0) if window else 0
     q = query.reshape(g.kv_heads, g.group_size, g.head_dim).astype(np.float64)
-    k = keys.reshape(-1, g.kv_heads, g.head_dim).astype(np.float64)
+    k = keys[first:].reshape(-1, g.kv_heads, g.head_dim).astype(np.float64)
     scores = np.einsum("hgd,shd->hgs", q, k).reshape(g.heads, -1) / np.sqrt(g.head_dim)
-    weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+    weights = np.zeros((g.heads, len(keys)))
+    weights[:, first:] = np.exp(scores - scores.max(axis=1, keepdims=True))
     return weights / weights.sum(axis=1, keepdims=True)
 
 

@@ -125,17 +125,20 @@ def softmax(x: np.ndarray) -> None:
 
 
 @njit(cache=True, fastmath=True, parallel=True)
-def causal_softmax(scores: np.ndarray, n_queries: int, first_pos: int) -> None:
+def causal_softmax(scores: np.ndarray, n_queries: int, first_pos: int, window: int) -> None:
     """Masked softmax in place over scores [batch, rows, keys] of a causal attention block.
 
-    Row r belongs to the query at absolute position first_pos + r % n_queries: it sees keys
-    0..that position and gets weight exactly 0 on every later key.
+    Row r belongs to the query at position q = first_pos + r % n_queries, counted from the first key:
+    it sees keys q - window + 1 .. q (all of 0 .. q when window is 0) and gets weight exactly 0 on
+    every other key.
     """
     batch, rows, _ = scores.shape
     for br in prange(batch * rows):
         b, r = br // rows, br % rows
         visible = first_pos + r % n_queries + 1
-        softmax(scores[b, r, :visible])
+        first = max(visible - window, 0) if window > 0 else 0
+        scores[b, r, :first] = 0.0
+        softmax(scores[b, r, first:visible])
         scores[b, r, visible:] = 0.0
 
 
@@ -237,6 +240,26 @@ def silu_gate(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return out
 
 
+GELU_TANH_C = math.sqrt(2.0 / math.pi)
+
+
+@njit(cache=True, fastmath=True, error_model="numpy")
+def gelu_tanh_gate(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """GELU(gate) * up with GELU's tanh approximation (Gemma's FFN), element-wise over [n, ffn].
+
+    0.5 g (1 + tanh(y)) is g - g / (exp(2y) + 1): the vectorizable exp_f32 instead of a tanh call.
+    """
+    n, f = gate.shape
+    out = np.empty_like(gate)
+    c = np.float32(GELU_TANH_C)
+    for i in range(n):
+        for j in range(f):
+            g = gate[i, j]
+            y = c * (g + np.float32(0.044715) * g * g * g)
+            out[i, j] = (g - g / (np.float32(exp_f32(2 * y)) + np.float32(1.0))) * up[i, j]
+    return out
+
+
 @njit(cache=True)
 def concat_dim0(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """A new array holding the rows of a then the rows of b: a full copy, by design.
@@ -254,13 +277,22 @@ def concat_dim0(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def attention_prefill(
-    q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: int, first_pos: int, block: int = 256
+    q: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    n_heads: int,
+    first_pos: int,
+    block: int = 256,
+    window: int | None = None,
 ) -> np.ndarray:
     """Causal grouped-query attention of T new queries at positions first_pos.. over S = first_pos + T keys.
 
-    q [T, n_heads * head_dim]; keys, values [S, n_kv_heads * head_dim]. The products are BLAS
-    matmuls per KV head, with all query heads of a group stacked; queries go in blocks so the
-    score matrix stays small for long prompts.
+    q [T, n_heads * head_dim]; keys, values [S, n_kv_heads * head_dim]. Positions count from keys[0],
+    so keys may begin anywhere in the sequence (a cache holding only a sliding window passes its rows
+    with first_pos counted from the oldest). window: each query sees only its last `window` positions,
+    itself included (a sliding-window layer); None sees them all. The products are BLAS matmuls per KV
+    head, with all query heads of a group stacked; queries go in blocks so the score matrix stays small
+    for long prompts, and a block reads only the keys its queries can see.
     """
     n_queries = q.shape[0]
     n_pos, kv_width = keys.shape
@@ -275,11 +307,12 @@ def attention_prefill(
         t1 = min(t0 + block, n_queries)
         n = t1 - t0
         visible = first_pos + t1  # keys past the last query of the block are never seen
+        first = max(first_pos + t0 + 1 - window, 0) if window else 0  # nor keys before the first's window
         # [n, n_kv, group, D] -> [n_kv, group * n, D]: each KV head's query heads stacked.
         q_heads = q[t0:t1].reshape(n, n_kv, group, head_dim).transpose(1, 2, 0, 3)
         q_heads = q_heads.reshape(n_kv, group * n, head_dim)
-        scores = np.matmul(q_heads, k_heads[:, :, :visible]) * scale
-        causal_softmax(scores, n, first_pos + t0)
-        mixed = np.matmul(scores, v_heads[:, :visible])  # [n_kv, group * n, D]
+        scores = np.matmul(q_heads, k_heads[:, :, first:visible]) * scale
+        causal_softmax(scores, n, first_pos + t0 - first, window or 0)
+        mixed = np.matmul(scores, v_heads[:, first:visible])  # [n_kv, group * n, D]
         out[t0:t1] = mixed.reshape(n_kv, group, n, head_dim).transpose(2, 0, 1, 3).reshape(n, -1)
     return out

@@ -1,4 +1,4 @@
-"""The transformer: llama, qwen2 and qwen3 in one readable forward, with two paths.
+"""The transformer: llama, qwen2, qwen3 and gemma3 in one readable forward, with two paths.
 
 - `prefill(tokens, cache)` runs a whole prompt at once and stores every layer's K (after RoPE) and V.
 - `decode(token, pos, cache)` runs one token at position `pos`: it appends that token's K/V and
@@ -64,12 +64,17 @@ class Layer:
     ffn_norm: np.ndarray
     gate_up: Projections
     w_down: QuantizedMatrix
+    post_attn_norm: np.ndarray | None = None  # gemma3: RMSNorm of the attention and FFN outputs
+    post_ffn_norm: np.ndarray | None = None  # before they join the residual stream
 
 
-def rope_frequencies(config: ModelConfig) -> np.ndarray:
-    """Rotation frequency of each dimension pair, in float32 as the HF reference computes them."""
+def rope_frequencies(config: ModelConfig, base: float | None = None) -> np.ndarray:
+    """Rotation frequency of each dimension pair, in float32 as the HF reference computes them.
+
+    base: the RoPE base of a layer that has its own (default: the model's rope_base)."""
+    base = config.rope_base if base is None else base
     exponents = np.arange(0, config.rope_dim, 2, dtype=np.float32) / np.float32(config.rope_dim)
-    return (np.float32(1.0) / np.power(np.float32(config.rope_base), exponents)).astype(np.float32)
+    return (np.float32(1.0) / np.power(np.float32(base), exponents)).astype(np.float32)
 
 
 class Transformer:
@@ -86,7 +91,8 @@ class Transformer:
         self.layers = layers
         self.output_norm = output_norm
         self.output = output
-        self.inv_freq = rope_frequencies(config)
+        bases = {base: rope_frequencies(config, base) for base in set(config.layer_rope_bases)}
+        self.layer_inv_freq = [bases[base] for base in config.layer_rope_bases]
 
     @classmethod
     def from_gguf(cls, reader: GGUFReader) -> Transformer:
@@ -120,6 +126,8 @@ class Transformer:
                 ffn_norm=vector(f"blk.{i}.ffn_norm.weight"),
                 gate_up=Projections([tensor(f"blk.{i}.ffn_{w}.weight") for w in ("gate", "up")]),
                 w_down=matrix(f"blk.{i}.ffn_down.weight"),
+                post_attn_norm=optional(f"blk.{i}.post_attention_norm.weight"),
+                post_ffn_norm=optional(f"blk.{i}.post_ffw_norm.weight"),
             )
             for i in range(config.n_layers)
         ]
@@ -143,16 +151,16 @@ class Transformer:
         if cache.length != pos:
             raise ValueError(f"decode at position {pos} but the cache holds {cache.length} tokens")
         c = self.config
-        x = self.embedding.rows_at(np.array([token]))
+        x = self._embed(np.array([token]))
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, kernels.rmsnorm(x, layer.attn_norm, c.rms_eps))
-            kernels.rope_single_row(q[0], pos, c.n_heads, self.inv_freq, c.rope_neox)
-            kernels.rope_single_row(k[0], pos, c.n_kv_heads, self.inv_freq, c.rope_neox)
+            kernels.rope_single_row(q[0], pos, c.n_heads, self.layer_inv_freq[i], c.rope_neox)
+            kernels.rope_single_row(k[0], pos, c.n_kv_heads, self.layer_inv_freq[i], c.rope_neox)
             if queries is not None:
                 queries.append(q[0])
             cache.write(i, pos, k, v)
             attn = cache.attend(i, q[0], pos + 1)
-            x = x + layer.wo.matmul(attn[None])
+            x = x + self._post_norm(layer.wo.matmul(attn[None]), layer.post_attn_norm)
             x = x + self._mlp(layer, x)
         cache.commit(1)
         return self._logits(x)[0]
@@ -168,16 +176,16 @@ class Transformer:
     def _forward_sequence(self, tokens: np.ndarray, cache: KVCache | None) -> np.ndarray:
         c = self.config
         start = cache.length if cache is not None else 0
-        x = self.embedding.rows_at(np.asarray(tokens))
+        x = self._embed(np.asarray(tokens))
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, kernels.rmsnorm(x, layer.attn_norm, c.rms_eps))
-            kernels.rope(q, start, c.n_heads, self.inv_freq, c.rope_neox)
-            kernels.rope(k, start, c.n_kv_heads, self.inv_freq, c.rope_neox)
+            kernels.rope(q, start, c.n_heads, self.layer_inv_freq[i], c.rope_neox)
+            kernels.rope(k, start, c.n_kv_heads, self.layer_inv_freq[i], c.rope_neox)
             if cache is not None:
                 cache.write(i, start, k, v)
                 k, v = cache.read(i, start + len(tokens))
-            attn = kernels.attention_prefill(q, k, v, c.n_heads, start)
-            x = x + layer.wo.matmul(attn)
+            attn = kernels.attention_prefill(q, k, v, c.n_heads, start, window=c.layer_windows[i])
+            x = x + self._post_norm(layer.wo.matmul(attn), layer.post_attn_norm)
             x = x + self._mlp(layer, x)
         if cache is not None:
             cache.commit(len(tokens))
@@ -196,10 +204,23 @@ class Transformer:
             kernels.rms_norm_heads(k, c.n_kv_heads, layer.k_norm, c.rms_eps)
         return q, k, v
 
+    def _embed(self, tokens: np.ndarray) -> np.ndarray:
+        x = self.embedding.rows_at(tokens)
+        if self.config.embedding_scale != 1.0:
+            x *= np.float32(self.config.embedding_scale)
+        return x
+
+    def _post_norm(self, out: np.ndarray, weight: np.ndarray | None) -> np.ndarray:
+        return out if weight is None else kernels.rmsnorm(out, weight, self.config.rms_eps)
+
     def _mlp(self, layer: Layer, x: np.ndarray) -> np.ndarray:
         h = kernels.rmsnorm(x, layer.ffn_norm, self.config.rms_eps)
         gate, up = layer.gate_up(h)
-        return layer.w_down.matmul(kernels.silu_gate(gate, up))
+        gated = ACTIVATIONS[self.config.ffn_activation](gate, up)
+        return self._post_norm(layer.w_down.matmul(gated), layer.post_ffn_norm)
 
     def _logits(self, x: np.ndarray) -> np.ndarray:
         return self.output.matmul(kernels.rmsnorm(x, self.output_norm, self.config.rms_eps))
+
+
+ACTIVATIONS = {"silu": kernels.silu_gate, "gelu_tanh": kernels.gelu_tanh_gate}

@@ -2,13 +2,15 @@
 
 It is built the way transformers builds one from a GGUF (`AutoTokenizer.from_pretrained(..., gguf_file=...)`),
 so both give the same ids for the same text; the tests check that against ids recorded from transformers.
-Only byte-level BPE vocabularies (`tokenizer.ggml.model = gpt2`) are supported.
+Two kinds of vocabulary are supported: byte-level BPE (`tokenizer.ggml.model = gpt2`: GPT-2, Llama 3, Qwen,
+SmolLM) and SentencePiece BPE (`llama`: Llama 2, Mistral, Gemma), whose merges the file does not list.
 """
 
 from __future__ import annotations
 
 import codecs
 import json
+from collections.abc import Callable
 from datetime import datetime
 from functools import cache
 from typing import Any, ClassVar
@@ -17,7 +19,7 @@ import gguf
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from inferno.errors import InfernoError
 from inferno.gguf_file import metadata
@@ -25,6 +27,13 @@ from inferno.gguf_file import metadata
 # tokenizer.ggml.token_type values
 CONTROL = 3
 USER_DEFINED = 4
+BYTE = 6  # SentencePiece's byte fallback pieces, <0x00> .. <0xFF>
+
+SPACE = "\u2581"  # SentencePiece writes a space as ▁
+
+# Architectures whose SentencePiece merges follow the order of the vocabulary, not its scores, and whose
+# runs-of-spaces tokens the file writes as real spaces (transformers' gemma_tokenizer)
+_GEMMA_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -107,6 +116,7 @@ class GGUFTokenizer:
         tokenizer: Tokenizer,
         tokens: list[str],
         *,
+        piece_bytes: Callable[[int], bytes],
         bos_id: int | None,
         eos_id: int | None,
         add_bos: bool,
@@ -117,6 +127,7 @@ class GGUFTokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._tokens = tokens
+        self._piece_bytes = piece_bytes
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.add_bos = add_bos
@@ -132,17 +143,14 @@ class GGUFTokenizer:
         model = metadata(reader, "tokenizer.ggml.model")
         if model is None:
             raise InfernoError("GGUF has no tokenizer (tokenizer.ggml.model is missing)")
-        if model != "gpt2":
-            raise InfernoError(f"unsupported tokenizer model {model!r} (supported: 'gpt2', byte-level BPE)")
-        pre = metadata(reader, "tokenizer.ggml.pre", "default")
-        if pre not in PRE_TOKENIZER_SPLITS:
+        if model not in ("gpt2", "llama"):
             raise InfernoError(
-                f"unsupported pre-tokenizer {pre!r} (supported: {', '.join(sorted(PRE_TOKENIZER_SPLITS))})"
+                f"unsupported tokenizer model {model!r} "
+                "(supported: 'gpt2', byte-level BPE; 'llama', SentencePiece BPE)"
             )
         tokens = metadata(reader, "tokenizer.ggml.tokens")
-        merges = metadata(reader, "tokenizer.ggml.merges")
-        if not tokens or not merges:
-            raise InfernoError("GGUF tokenizer has no tokens or no merges")
+        if not tokens:
+            raise InfernoError("GGUF tokenizer has no tokens")
         token_types = metadata(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
         if len(token_types) != len(tokens):
             raise InfernoError("GGUF tokenizer has a different number of token types than tokens")
@@ -154,8 +162,16 @@ class GGUFTokenizer:
         ids = {name: token_id(name) for name in ("bos", "eos", "unknown", "padding", "eot", "eom")}
         named = {var: ids[name] for var, name in _TEMPLATE_NAMES.items() if ids[name] is not None}
 
-        tokenizer = _build_tokenizer(tokens, merges, PRE_TOKENIZER_SPLITS[pre])
-        _add_special_tokens(tokenizer, tokens, token_types, set(named.values()))
+        if model == "gpt2":
+            tokenizer, piece_bytes = _byte_level_tokenizer(reader, tokens)
+            _add_special_tokens(
+                tokenizer, tokens, token_types, set(named.values()), set(_byte_spelling().values())
+            )
+            add_bos_default = False
+        else:
+            tokenizer, piece_bytes = _sentencepiece_tokenizer(reader, tokens, token_types, ids["unknown"])
+            _add_special_tokens(tokenizer, tokens, token_types, set(named.values()), None)
+            add_bos_default = True  # llama.cpp's and transformers' default for SentencePiece files
         stop_ids = {i for i in (ids["eos"], ids["eot"], ids["eom"]) if i is not None}
         stop_ids |= {
             i
@@ -165,9 +181,10 @@ class GGUFTokenizer:
         return cls(
             tokenizer,
             tokens,
+            piece_bytes=piece_bytes,
             bos_id=ids["bos"],
             eos_id=ids["eos"],
-            add_bos=bool(metadata(reader, "tokenizer.ggml.add_bos_token", False)),
+            add_bos=bool(metadata(reader, "tokenizer.ggml.add_bos_token", add_bos_default)),
             add_eos=bool(metadata(reader, "tokenizer.ggml.add_eos_token", False)),
             stop_ids=frozenset(stop_ids),
             special_tokens={var: tokens[i] for var, i in named.items()},
@@ -189,10 +206,11 @@ class GGUFTokenizer:
 
     def token_bytes(self, id: int) -> bytes:
         """The raw bytes one token stands for (may be part of a multi-byte character)."""
-        return _spelled_bytes(self._token(id))
+        self._token(id)  # refuses an id outside the vocabulary
+        return self._piece_bytes(id)
 
     def token_text(self, id: int) -> str:
-        """One token as readable text: "Ġthe" is " the"; a piece of a character shows as \\xNN escapes."""
+        """One token as readable text: "Ġthe" and "▁the" are " the"; a piece of a character shows as \\xNN."""
         return self.token_bytes(id).decode("utf-8", errors="backslashreplace")
 
     def is_stop(self, id: int) -> bool:
@@ -243,7 +261,18 @@ class StreamDecoder:
         return self._utf8.decode(b"", final=True)
 
 
-def _build_tokenizer(tokens: list[str], merges: list[str], split: str | None) -> Tokenizer:
+def _byte_level_tokenizer(
+    reader: gguf.GGUFReader, tokens: list[str]
+) -> tuple[Tokenizer, Callable[[int], bytes]]:
+    pre = metadata(reader, "tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZER_SPLITS:
+        raise InfernoError(
+            f"unsupported pre-tokenizer {pre!r} (supported: {', '.join(sorted(PRE_TOKENIZER_SPLITS))})"
+        )
+    merges = metadata(reader, "tokenizer.ggml.merges")
+    if not merges:
+        raise InfernoError("GGUF tokenizer has no merges")
+    split = PRE_TOKENIZER_SPLITS[pre]
     # A token not spelled in the byte alphabet is respelled into it, as transformers does, so BPE can reach it
     spelling = _byte_spelling()
     alphabet = set(spelling.values())
@@ -266,28 +295,95 @@ def _build_tokenizer(tokens: list[str], merges: list[str], split: str | None) ->
             ]
         )
     tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer
+    return tokenizer, lambda id: _spelled_bytes(tokens[id])
+
+
+def _sentencepiece_tokenizer(
+    reader: gguf.GGUFReader, tokens: list[str], token_types: list[int], unk_id: int | None
+) -> tuple[Tokenizer, Callable[[int], bytes]]:
+    """SentencePiece BPE as transformers rebuilds it from a GGUF: spaces are ▁, characters missing from
+    the vocabulary fall back to <0xNN> byte tokens, and merges come from the vocabulary itself.
+
+    A SentencePiece file lists no merges: a token merges from any two tokens that spell it, the
+    better-ranked tokens first (by score; Gemma's by their order in the vocabulary).
+    """
+    gemma = metadata(reader, "general.architecture") in _GEMMA_ARCHITECTURES
+    if gemma:  # Gemma writes its runs of spaces as real spaces; they are ▁▁... to the merges
+        tokens = [SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+        priority = {token: -i for i, token in enumerate(tokens)}
+    else:
+        scores = metadata(reader, "tokenizer.ggml.scores")
+        if scores is None or len(scores) != len(tokens):
+            raise InfernoError("GGUF SentencePiece tokenizer has no score for every token")
+        priority = dict(zip(tokens, scores, strict=True))
+    vocab = {token: i for i, token in enumerate(tokens)}
+    unk = tokens[unk_id] if unk_id is not None else None
+    bpe = models.BPE(
+        vocab=vocab,
+        merges=_merges_from_vocabulary(vocab, priority),
+        unk_token=unk,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    tokenizer = Tokenizer(bpe)
+    add_prefix_space = bool(metadata(reader, "tokenizer.ggml.add_space_prefix", True)) and not gemma
+    tokenizer.normalizer = normalizers.Replace(" ", SPACE)
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix_space:  # Llama 2 style: a ▁ before the text (not after special tokens), dropped on decode
+        tokenizer.normalizer = None
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement=SPACE, prepend_scheme="first", split=False
+        )
+        steps.append(decoders.Strip(content=" ", left=1))
+    tokenizer.decoder = decoders.Sequence(steps)
+
+    byte_values = {i: int(tokens[i][3:5], 16) for i, kind in enumerate(token_types) if kind == BYTE}
+
+    def piece_bytes(id: int) -> bytes:
+        if id in byte_values:
+            return bytes([byte_values[id]])
+        return tokens[id].replace(SPACE, " ").encode("utf-8")
+
+    return tokenizer, piece_bytes
+
+
+def _merges_from_vocabulary(vocab: dict[str, int], priority: dict[str, float]) -> list[tuple[str, str]]:
+    """Every (left, right) pair of tokens that spells a token, best-ranked token first; within one token
+    the longer left piece first; ties in vocabulary order. The list transformers' generate_merges makes."""
+    ranked = []
+    for token, score in priority.items():
+        for i in range(1, len(token)):
+            left = token[:i]
+            if left in vocab and (right := token[i:]) in vocab:
+                ranked.append((score, i, len(token) - i, left, right))
+    ranked.sort(key=lambda m: m[:3], reverse=True)  # stable: equal keys keep the vocabulary's order
+    return [(left, right) for _, _, _, left, right in ranked]
 
 
 def _add_special_tokens(
-    tokenizer: Tokenizer, tokens: list[str], token_types: list[int], named: set[int]
+    tokenizer: Tokenizer,
+    tokens: list[str],
+    token_types: list[int],
+    named: set[int],
+    alphabet: set[str] | None,
 ) -> None:
     """Make control tokens, BOS/EOS/UNK/PAD and user-defined tokens match whole in text.
 
-    A control token spelled outside the byte alphabet is a mislabelled piece of text, not a
-    marker: transformers leaves it to BPE, and so do we.
+    In a byte-level vocabulary (alphabet given) a control token spelled outside the byte alphabet is a
+    mislabelled piece of text, not a marker: transformers leaves it to BPE, and so do we. A user-defined
+    token is added only when the model's vocabulary holds it as written: one that had to be respelled
+    (Gemma's runs of spaces, now ▁▁...) is left to the merges, as transformers does.
     """
-    alphabet = set(_byte_spelling().values())
     special = [
         AddedToken(token, normalized=False, special=True)
         for i, (token, kind) in enumerate(zip(tokens, token_types, strict=True))
-        if (kind == CONTROL or i in named) and set(token) <= alphabet
+        if (kind == CONTROL or i in named) and (alphabet is None or set(token) <= alphabet)
     ]
     tokenizer.add_special_tokens(special)
     user_defined = [
         AddedToken(token, normalized=False, special=False)
         for token, kind in zip(tokens, token_types, strict=True)
-        if kind == USER_DEFINED and set(token) <= alphabet
+        if kind == USER_DEFINED and tokenizer.token_to_id(token) is not None
     ]
     tokenizer.add_tokens(user_defined)
 

@@ -125,9 +125,9 @@ def write_tiny_gguf(path, arch: str = "llama", tensor_type=gguf.GGMLQuantization
 
 
 def test_unsupported_architecture(generate, tmp_path):
-    f = tmp_path / "gemma.gguf"
-    write_tiny_gguf(f, arch="gemma3")
-    assert_refused(generate(f, "hi"), "unsupported architecture 'gemma3'")
+    f = tmp_path / "mamba.gguf"
+    write_tiny_gguf(f, arch="mamba")
+    assert_refused(generate(f, "hi"), "unsupported architecture 'mamba'")
 
 
 def test_unsupported_tensor_type(generate, tmp_path):

@@ -98,6 +98,14 @@ def test_silu_gate():
     np.testing.assert_allclose(kernels.silu_gate(g, u), g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
 
 
+def test_gelu_tanh_gate():
+    g = rng.standard_normal((2, 50), dtype=np.float32) * 4
+    u = rng.standard_normal((2, 50), dtype=np.float32)
+    x = g.astype(np.float64)
+    want = 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3))) * u
+    np.testing.assert_allclose(kernels.gelu_tanh_gate(g, u), want, rtol=1e-5, atol=1e-6)
+
+
 def test_concat_dim0_copies_rows_in_order():
     a = rng.standard_normal((3, 4), dtype=np.float32)
     b = rng.standard_normal((1, 4), dtype=np.float32)
@@ -106,8 +114,9 @@ def test_concat_dim0_copies_rows_in_order():
     assert not np.shares_memory(out, a)
 
 
-def reference_attention(q, k, v, n_heads, first_pos):
-    """Causal grouped-query attention in float64, one head at a time."""
+def reference_attention(q, k, v, n_heads, first_pos, window=None):
+    """Causal grouped-query attention in float64, one head at a time; with a window, the query at
+    position p sees keys p - window + 1 .. p (transformers' sliding-window mask)."""
     t, width = q.shape
     d = width // n_heads
     group = n_heads // (k.shape[1] // d)
@@ -117,9 +126,11 @@ def reference_attention(q, k, v, n_heads, first_pos):
         qh, kh, vh = q[:, h * d:(h + 1) * d], k[:, g * d:(g + 1) * d], v[:, g * d:(g + 1) * d]
         scores = qh.astype(np.float64) @ kh.T / math.sqrt(d)
         for i in range(t):
-            s = scores[i, : first_pos + i + 1]
+            end = first_pos + i + 1
+            start = max(end - window, 0) if window else 0
+            s = scores[i, start:end]
             p = np.exp(s - s.max())
-            out[i, h * d:(h + 1) * d] = (p / p.sum()) @ vh[: first_pos + i + 1]
+            out[i, h * d:(h + 1) * d] = (p / p.sum()) @ vh[start:end]
     return out
 
 
@@ -131,6 +142,18 @@ def test_attention_prefill_is_causal_grouped_query_attention(first_pos):
     v = rng.standard_normal((s, 2 * 16), dtype=np.float32)
     got = kernels.attention_prefill(q, k, v, 8, first_pos)
     np.testing.assert_allclose(got, reference_attention(q, k, v, 8, first_pos), atol=1e-5)
+
+
+@pytest.mark.parametrize(("first_pos", "window"), [(0, 1), (0, 37), (13, 100), (290, 512), (0, 1000)])
+def test_attention_prefill_sees_only_the_window(first_pos, window):
+    t, s = 300, first_pos + 300
+    q = rng.standard_normal((t, 4 * 16), dtype=np.float32)
+    k = rng.standard_normal((s, 1 * 16), dtype=np.float32)
+    v = rng.standard_normal((s, 1 * 16), dtype=np.float32)
+    got = kernels.attention_prefill(q, k, v, 4, first_pos, window=window)
+    np.testing.assert_allclose(got, reference_attention(q, k, v, 4, first_pos, window), atol=1e-5)
+    if window == 1:  # each query sees only itself
+        np.testing.assert_allclose(got, np.tile(v, 4), atol=1e-6)
 
 
 def test_attention_decode_is_the_last_row_of_causal_attention():

@@ -121,8 +121,12 @@ class KVCache(ABC):
         return keys[start:end, cols], values[start:end, cols]
 
     def attend(self, layer: int, query: np.ndarray, end: int) -> np.ndarray:
-        """One query row [heads * head_dim] attending over positions 0 .. end - 1 of `layer`."""
+        """One query row [heads * head_dim] attending over positions 0 .. end - 1 of `layer` (only
+        the last `window` of them on a sliding-window layer)."""
         keys, values = self.read(layer, end)
+        window = self.geometry.window(layer)
+        if window is not None:
+            keys, values = keys[-window:], values[-window:]
         return kernels.attention_decode(query, keys, values, self.geometry.heads)
 
     def reset(self) -> None:
