@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import FIXTURES
 
-from inferno.kv_cache import create_kv_cache
+from inferno.kv import make_cache
 
 REFERENCE = json.loads((FIXTURES / "hf_gemma3.json").read_text())
 ARRAYS = np.load(FIXTURES / "hf_gemma3.npz")
@@ -32,7 +32,7 @@ def prompt_ids(i: int) -> list[int]:
 
 def greedy(engine, ids: list[int], n: int, mode: str = "prealloc") -> tuple[list[int], list[np.ndarray]]:
     """n greedy tokens after ids with a cache, and the logits each was chosen from."""
-    cache = create_kv_cache(mode, engine.config, len(ids) + n)
+    cache = make_cache(mode, engine.config.kv_geometry, len(ids) + n)
     logits = engine.model.prefill(np.array(ids), cache)
     out, seen = [], []
     for _ in range(n):
@@ -97,7 +97,7 @@ def test_kv_inspect_local_layers_attend_only_to_their_window(gemma_engine, monke
     from inferno.cli.inspect import inspect_model
     from inferno.engine import Engine
 
-    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, path, status=None: gemma_engine))
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, path, progress=None: gemma_engine))
     report = inspect_model(gemma_engine, PROMPTS[LONG]["text"], 0, layer, None, None)
     weights = np.array(report["attention"]["weights"])
     assert weights.shape == (4, PROMPTS[LONG]["n_tokens"])
