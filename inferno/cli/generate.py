@@ -65,6 +65,8 @@ def _kv_alone_means_basic(argv: list[str]) -> list[str]:
               help=f"KV cache: {' | '.join(KINDS)} (--kv alone: basic). Without it: no cache.")
 @click.option("--max-context", type=int, default=None,
               help="Tokens the cache is sized for (default: prompt + new tokens).")
+@click.option("--block-size", type=int, default=None,
+              help="Tokens per block of --kv paged (default: 16).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 means greedy.")
 @click.option("--top-k", type=int, default=0, help="Sample from the k most likely tokens (0: off).")
@@ -79,8 +81,8 @@ def _kv_alone_means_basic(argv: list[str]) -> list[str]:
               help="After the run, save the KV cache to FILE as a snapshot (without --kv: prealloc).")
 @click.option("--load-cache", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Start from a snapshot: only the prompt past its tokens is prefilled.")
-def command(args, kv, max_context, chat, temperature, top_k, top_p, seed, ignore_eos, prompt_file, threads,
-            as_json, save_cache, load_cache):
+def command(args, kv, max_context, block_size, chat, temperature, top_k, top_p, seed, ignore_eos, prompt_file,
+            threads, as_json, save_cache, load_cache):
     """Generate text with a GGUF model on the CPU and report per-forward timings.
 
     With a KV cache decode cost stays flat; without one every step reruns the whole sequence.
@@ -94,6 +96,8 @@ def command(args, kv, max_context, chat, temperature, top_k, top_p, seed, ignore
         raise InfernoError(f"unknown KV cache mode {kv!r} (valid: {', '.join(KINDS)})")
     if max_context is not None and max_context < 1:
         raise InfernoError(f"--max-context must be at least 1, got {max_context}")
+    if block_size is not None and (kv != "paged" or block_size < 1):
+        raise InfernoError(f"--block-size needs --kv paged and at least 1 token, got {block_size}")
     if save_cache and load_cache and Path(save_cache).resolve() == Path(load_cache).resolve():
         raise InfernoError("--save-cache names the --load-cache file, which is never modified: give another")
     if (save_cache or load_cache) and kv is None:
@@ -111,7 +115,8 @@ def command(args, kv, max_context, chat, temperature, top_k, top_p, seed, ignore
     text = engine.prompt_text(prompt, chat)
     prompt_ids = engine.tokenizer.encode(text)
     with blame("--max-context", max_context):
-        cache = engine.make_cache(kv, len(prompt_ids), max_new, max_context)
+        options = {"block_size": block_size} if block_size else {}
+        cache = engine.make_cache(kv, len(prompt_ids), max_new, max_context, **options)
     load_cache_ms = None
     if load_cache:
         t = perf_counter()
