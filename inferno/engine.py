@@ -60,9 +60,11 @@ class Engine:
         return cls(model, tokenizer, startup, fingerprint, str(path))
 
     def make_cache(
-        self, kind: str | None, prompt_tokens: int, new_tokens: int, max_context: int | None = None
+        self, kind: str | None, prompt_tokens: int, new_tokens: int, max_context: int | None = None,
+        **options,
     ) -> KVCache | None:
-        """The cache for a request (None: no cache), refusing before any work a request that cannot fit."""
+        """The cache for a request (None: no cache), refusing before any work a request that cannot fit.
+        options: the kind's own (paged: block_size)."""
         context = self.config.context_length
         needed = prompt_tokens + new_tokens
         if prompt_tokens == 0:
@@ -88,7 +90,7 @@ class Engine:
                 f"prompt of {prompt_tokens} tokens + {new_tokens} new tokens = {needed}, "
                 f"more than the cache's {capacity} tokens"
             )
-        return make_cache(kind, self.config.kv_geometry, capacity)
+        return make_cache(kind, self.config.kv_geometry, capacity, **options)
 
     # -- the Python API ------------------------------------------------------------------------
 

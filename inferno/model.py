@@ -10,6 +10,7 @@ Weights stay in their GGUF type (`QuantizedMatrix`); activations are float32 thr
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import gguf
@@ -20,7 +21,11 @@ from inferno import kernels
 from inferno.config import ModelConfig
 from inferno.errors import InfernoError
 from inferno.kv import KVCache
+from inferno.kv.batch import batch_of
 from inferno.quant import QuantizedMatrix, tensor_to_float32, uses_blas
+from inferno.quant_batch import batch_matmul
+
+MatMul = Callable[[QuantizedMatrix, np.ndarray], np.ndarray]  # x [n, cols] -> [n, rows]
 
 
 class Projections:
@@ -38,12 +43,13 @@ class Projections:
                 self._where[i] = (len(self.matrices), part)
             self.matrices.append(QuantizedMatrix.from_tensors([tensors[i] for i in members]))
 
-    def __call__(self, x: np.ndarray) -> list[np.ndarray]:
-        """x [T, in] through every weight: one [T, out_i] array per weight, in the order given."""
-        if uses_blas(x.shape[0]):
+    def __call__(self, x: np.ndarray, matmul: MatMul | None = None) -> list[np.ndarray]:
+        """x [T, in] through every weight: one [T, out_i] array per weight, in the order given.
+        matmul: the product of a stacked matrix and x (batched decoding's), instead of the default."""
+        if matmul is None and uses_blas(x.shape[0]):
             return [self.matrices[m].matmul(x, part=p) for m, p in self._where]
         # Few rows (decode has one): one matvec per stacked matrix and row, then each weight's columns.
-        outs = [m.matmul(x) for m in self.matrices]
+        outs = [(matmul or QuantizedMatrix.matmul)(m, x) for m in self.matrices]
         views = []
         for m, p in self._where:
             first, n = self.matrices[m].parts[p]
@@ -165,6 +171,27 @@ class Transformer:
         cache.commit(1)
         return self._logits(x)[0]
 
+    def decode_batch(self, tokens: Sequence[int], caches: Sequence[KVCache]) -> np.ndarray:
+        """One token for each of B sequences, token b at the position cache b holds next: logits [B, vocab].
+
+        Each weight is read once for all B (quant_batch.batch_matmul); attention is per sequence over
+        its own cache (one kernel call for paged sequences of one pool, see kv.batch).
+        """
+        c = self.config
+        batch = batch_of(caches)
+        x = self._embed(np.asarray(tokens))
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, kernels.rmsnorm(x, layer.attn_norm, c.rms_eps), batch_matmul)
+            for b, pos in enumerate(batch.positions.tolist()):
+                kernels.rope_single_row(q[b], pos, c.n_heads, self.layer_inv_freq[i], c.rope_neox)
+                kernels.rope_single_row(k[b], pos, c.n_kv_heads, self.layer_inv_freq[i], c.rope_neox)
+            batch.write(i, k, v)
+            attn = batch.attend(i, q, c.n_heads)
+            x = x + self._post_norm(batch_matmul(layer.wo, attn), layer.post_attn_norm)
+            x = x + self._mlp(layer, x, batch_matmul)
+        batch.commit()
+        return self._logits(x, batch_matmul)
+
     # -- the naive path ------------------------------------------------------------------------
 
     def forward(self, tokens: np.ndarray) -> np.ndarray:
@@ -191,10 +218,12 @@ class Transformer:
             cache.commit(len(tokens))
         return self._logits(x[-1:])[0]
 
-    def _qkv(self, layer: Layer, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _qkv(
+        self, layer: Layer, h: np.ndarray, matmul: MatMul | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Projections of normed rows h [T, hidden] to q [T, q_width], k and v [T, kv_width]."""
         c = self.config
-        q, k, v = layer.qkv(h)
+        q, k, v = layer.qkv(h, matmul)
         if layer.bq is not None:
             q += layer.bq
             k += layer.bk
@@ -213,14 +242,15 @@ class Transformer:
     def _post_norm(self, out: np.ndarray, weight: np.ndarray | None) -> np.ndarray:
         return out if weight is None else kernels.rmsnorm(out, weight, self.config.rms_eps)
 
-    def _mlp(self, layer: Layer, x: np.ndarray) -> np.ndarray:
+    def _mlp(self, layer: Layer, x: np.ndarray, matmul: MatMul | None = None) -> np.ndarray:
         h = kernels.rmsnorm(x, layer.ffn_norm, self.config.rms_eps)
-        gate, up = layer.gate_up(h)
+        gate, up = layer.gate_up(h, matmul)
         gated = ACTIVATIONS[self.config.ffn_activation](gate, up)
-        return self._post_norm(layer.w_down.matmul(gated), layer.post_ffn_norm)
+        return self._post_norm((matmul or QuantizedMatrix.matmul)(layer.w_down, gated), layer.post_ffn_norm)
 
-    def _logits(self, x: np.ndarray) -> np.ndarray:
-        return self.output.matmul(kernels.rmsnorm(x, self.output_norm, self.config.rms_eps))
+    def _logits(self, x: np.ndarray, matmul: MatMul | None = None) -> np.ndarray:
+        h = kernels.rmsnorm(x, self.output_norm, self.config.rms_eps)
+        return (matmul or QuantizedMatrix.matmul)(self.output, h)
 
 
 ACTIVATIONS = {"silu": kernels.silu_gate, "gelu_tanh": kernels.gelu_tanh_gate}

@@ -162,15 +162,16 @@ def test_factory_builds_each_kind_for_the_model(mode):
 
 
 def test_factory_refuses_unknown_kind_listing_valid_ones():
-    with pytest.raises(InfernoError, match=r"'paged'.*basic, prealloc"):
-        make_cache("paged", CONFIG.kv_geometry, 32)
+    with pytest.raises(InfernoError, match=r"'nonsense'.*basic, prealloc"):
+        make_cache("nonsense", CONFIG.kv_geometry, 32)
 
 
 @pytest.mark.parametrize("kind", CLASSES)
 def test_planned_bytes_are_what_a_full_cache_holds(kind):
     cache = kind(GEOMETRY, capacity=5)
     fill(cache, 5)
-    assert cache.nbytes == kind.planned_nbytes(GEOMETRY, 5) == 2 * LAYERS * 5 * WIDTH * 4
+    rows = 16 if kind.kind == "paged" else 5  # paged holds whole blocks of 16 tokens
+    assert cache.nbytes == kind.planned_nbytes(GEOMETRY, 5) == 2 * LAYERS * rows * WIDTH * 4
 
 
 @pytest.mark.parametrize("kind", CLASSES)

@@ -69,6 +69,14 @@ def _optional_values(argv: list[str]) -> list[str]:
               help=f"KV cache: {' | '.join(KINDS)} (--kv alone: basic). Without it: no cache.")
 @click.option("--max-context", type=int, default=None,
               help="Tokens the cache is sized for (default: prompt + new tokens).")
+@click.option("--block-size", type=int, default=None,
+              help="Tokens per block of --kv paged (default: 16).")
+@click.option("--num-samples", type=int, default=None, metavar="N",
+              help="N continuations of the prompt, prefilled once and decoded together (seed + i each).")
+@click.option("--batch", "batch_file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Prompts of FILE (one a line, or JSON lines with per-prompt options), decoded together.")
+@click.option("--max-batch", type=int, default=16, show_default=True,
+              help="With --batch: sequences decoded together at most.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 means greedy.")
 @click.option("--top-k", type=int, default=0, help="Sample from the k most likely tokens (0: off).")
@@ -85,14 +93,20 @@ def _optional_values(argv: list[str]) -> list[str]:
               help="After the run, save the KV cache to FILE as a snapshot (without --kv: prealloc).")
 @click.option("--load-cache", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Start from a snapshot: only the prompt past its tokens is prefilled.")
-def command(args, kv, max_context, chat, temperature, top_k, top_p, seed, ignore_eos, prompt_file, threads,
-            log_tokens, as_json, save_cache, load_cache):
+def command(args, kv, max_context, block_size, num_samples, batch_file, max_batch, chat, temperature, top_k,
+            top_p, seed, ignore_eos, prompt_file, threads, log_tokens, as_json, save_cache, load_cache):
     """Generate text with a GGUF model on the CPU and report per-forward timings.
 
     With a KV cache decode cost stays flat; without one every step reruns the whole sequence.
     """
     set_threads(threads)
+    many = num_samples is not None or batch_file is not None
+    if many:
+        kv = _check_many(kv, num_samples, batch_file, max_batch, prompt_file,
+                         max_context is not None or bool(save_cache or load_cache))
     file_prompt = read_prompt_file(prompt_file) if prompt_file else None
+    if batch_file:
+        file_prompt = ""  # the prompts come from the file
     model_path, prompt, max_new = split_positionals(args, file_prompt)
     if max_new < 1:
         raise InfernoError(f"MAX_NEW_TOKENS must be at least 1, got {max_new}")
@@ -102,6 +116,8 @@ def command(args, kv, max_context, chat, temperature, top_k, top_p, seed, ignore
         raise InfernoError(f"--log-tokens takes a count of alternatives, 0 or more; got {log_tokens}")
     if max_context is not None and max_context < 1:
         raise InfernoError(f"--max-context must be at least 1, got {max_context}")
+    if block_size is not None and (kv != "paged" or block_size < 1):
+        raise InfernoError(f"--block-size needs --kv paged and at least 1 token, got {block_size}")
     if save_cache and load_cache and Path(save_cache).resolve() == Path(load_cache).resolve():
         raise InfernoError("--save-cache names the --load-cache file, which is never modified: give another")
     if (save_cache or load_cache) and kv is None:
@@ -116,10 +132,22 @@ def command(args, kv, max_context, chat, temperature, top_k, top_p, seed, ignore
 
     err = console(stderr=True)
     engine = Engine.load(model_path, progress=None if as_json else progress_on(err))
+    if many:
+        from inferno.cli import generate_many
+        from inferno.kv.paged import BLOCK_SIZE
+
+        defaults = generate_many.Defaults(max_new, temperature, top_k, top_p, seed, ignore_eos, chat)
+        block_size = block_size or BLOCK_SIZE
+        if batch_file:
+            generate_many.run_batch(engine, batch_file, defaults, block_size, max_batch, as_json)
+        else:
+            generate_many.run_samples(engine, prompt, num_samples, defaults, block_size, as_json)
+        return
     text = engine.prompt_text(prompt, chat)
     prompt_ids = engine.tokenizer.encode(text)
     with blame("--max-context", max_context):
-        cache = engine.make_cache(kv, len(prompt_ids), max_new, max_context)
+        options = {"block_size": block_size} if block_size else {}
+        cache = engine.make_cache(kv, len(prompt_ids), max_new, max_context, **options)
     load_cache_ms = None
     if load_cache:
         t = perf_counter()
@@ -160,6 +188,25 @@ def command(args, kv, max_context, chat, temperature, top_k, top_p, seed, ignore
     from inferno.cli.display import metrics_panel
 
     out.print(metrics_panel(record))
+
+
+def _check_many(kv: str | None, num_samples: int | None, batch_file: str | None, max_batch: int,
+                prompt_file: str | None, single_only: bool) -> str:
+    """--num-samples and --batch run in a paged block pool; the kind they need, or a one-line refusal."""
+    if num_samples is not None and batch_file is not None:
+        raise InfernoError("--num-samples and --batch do not go together: give one")
+    if num_samples is not None and num_samples < 1:
+        raise InfernoError(f"--num-samples must be at least 1, got {num_samples}")
+    if max_batch < 1:
+        raise InfernoError(f"--max-batch must be at least 1, got {max_batch}")
+    if kv not in (None, "paged"):
+        raise InfernoError(f"--num-samples and --batch decode in a paged block pool, not --kv {kv}")
+    if batch_file and prompt_file:
+        raise InfernoError("--batch reads the prompts: --prompt-file does not go with it")
+    if single_only:
+        raise InfernoError("--max-context, --save-cache and --load-cache are for one sequence, "
+                           "not --num-samples or --batch")
+    return "paged"
 
 
 def main() -> None:

@@ -7,9 +7,10 @@ from inferno.errors import InfernoError
 from inferno.kv.base import KVCache, KVCacheFullError
 from inferno.kv.basic import BasicKVCache
 from inferno.kv.geometry import KVGeometry
+from inferno.kv.paged import PagedKVCache
 from inferno.kv.prealloc import PreallocKVCache
 
-KINDS: dict[str, type[KVCache]] = {cls.kind: cls for cls in (BasicKVCache, PreallocKVCache)}
+KINDS: dict[str, type[KVCache]] = {cls.kind: cls for cls in (BasicKVCache, PreallocKVCache, PagedKVCache)}
 DEFAULT_KIND = "prealloc"
 
 __all__ = ["DEFAULT_KIND", "KINDS", "KVCache", "KVCacheFullError", "KVGeometry", "cache_class", "make_cache"]
@@ -22,6 +23,7 @@ def cache_class(kind: str) -> type[KVCache]:
     return KINDS[kind]
 
 
-def make_cache(kind: str, geometry: KVGeometry, capacity: int) -> KVCache:
-    """A cache of kind `kind` for `capacity` tokens of a model with this geometry."""
-    return cache_class(kind)(geometry, capacity)
+def make_cache(kind: str, geometry: KVGeometry, capacity: int, **options) -> KVCache:
+    """A cache of kind `kind` for `capacity` tokens of a model with this geometry; options are the
+    kind's own (paged: block_size)."""
+    return cache_class(kind)(geometry, capacity, **options)

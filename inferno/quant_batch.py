@@ -1,0 +1,79 @@
+"""A few activation rows against a quantized weight, reading the weight once for all of them: the
+matrix product of batched decoding (B sequences, one token each).
+
+One matvec per row reads every weight B times; BLAS first dequantizes the whole weight to float32 in
+memory. Here each thread takes a run of tiles (the layout of `inferno.quant`), dequantizes a few
+blocks of one tile at a time into a scratch that stays in L1, and multiplies that into every row's
+accumulator, so each weight byte is read and dequantized once per step whatever B is.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from inferno.quant import QuantizedMatrix, _dequantize_tile
+
+GROUP_VALUES = 32  # values of a row dequantized per step: one block of the 32-value types
+
+
+def batch_matmul(matrix: QuantizedMatrix, x: np.ndarray) -> np.ndarray:
+    """x @ W.T for a few rows x [B, cols] -> [B, rows]. One row is a plain matvec (decode's kernel);
+    two or more share each read of the weight."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != matrix.cols:
+        raise ValueError(f"{matrix.name}: batch_matmul needs x of shape (B, {matrix.cols}), got {x.shape}")
+    if x.shape[0] == 1:
+        return matrix.matmul(x)
+    out = np.empty((x.shape[0], matrix.rows), np.float32)
+    _batch_kernel(int(matrix.qtype))(matrix._tiles, x, out, numba.config.NUMBA_NUM_THREADS)
+    return out
+
+
+@njit(cache=True, fastmath=True)
+def _accumulate(x, deq, acc):
+    """acc[lane] += x . deq[:, lane], eight values of x per pass over the lanes: eight multiply-adds per
+    load and store of acc, in a loop over lanes that vectorizes."""
+    j = 0
+    while j + 8 <= x.size:
+        x0, x1, x2, x3 = x[j], x[j + 1], x[j + 2], x[j + 3]
+        x4, x5, x6, x7 = x[j + 4], x[j + 5], x[j + 6], x[j + 7]
+        d0, d1, d2, d3 = deq[j], deq[j + 1], deq[j + 2], deq[j + 3]
+        d4, d5, d6, d7 = deq[j + 4], deq[j + 5], deq[j + 6], deq[j + 7]
+        for r in range(acc.size):
+            acc[r] += (x0 * d0[r] + x1 * d1[r] + x2 * d2[r] + x3 * d3[r]) + \
+                (x4 * d4[r] + x5 * d5[r] + x6 * d6[r] + x7 * d7[r])
+        j += 8
+    for k in range(j, x.size):  # a float matrix's last few values
+        for r in range(acc.size):
+            acc[r] += x[k] * deq[k, r]
+
+
+@functools.cache
+def _batch_kernel(kind: int) -> Callable:
+    @njit(cache=True, parallel=True, fastmath=True)
+    def matmul_rows(tiles, x, out, nchunks):
+        ntiles, nblocks, _, lanes = tiles.shape
+        n_rows, cols = x.shape
+        per_block = cols // nblocks
+        group = max(1, GROUP_VALUES // per_block)  # blocks dequantized together
+        nchunks = min(ntiles, nchunks)
+        for c in prange(nchunks):  # one run of tiles per thread: scratch allocated once per thread
+            deq = np.empty((group * per_block, lanes), np.float32)
+            acc = np.empty((n_rows, lanes), np.float32)
+            for t in range(c * ntiles // nchunks, (c + 1) * ntiles // nchunks):
+                acc[:] = 0.0
+                for b0 in range(0, nblocks, group):
+                    b1 = min(b0 + group, nblocks)
+                    _dequantize_tile(kind, tiles[t, b0:b1], 0, lanes, deq)
+                    for i in range(n_rows):
+                        _accumulate(x[i, b0 * per_block : b1 * per_block], deq, acc[i])
+                for i in range(n_rows):
+                    for r in range(min(lanes, out.shape[1] - t * lanes)):
+                        out[i, t * lanes + r] = acc[i, r]
+
+    return matmul_rows

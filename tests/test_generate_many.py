@@ -1,0 +1,72 @@
+"""model-generate --num-samples and --batch: many sequences, one model load, shared prompt blocks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from inferno.cli.generate import main
+
+PROG = "model-generate"
+PREFIX = "You are a helpful assistant who answers in one short sentence. " * 3  # 40 tokens
+
+
+@pytest.fixture
+def generate(run_main):
+    return lambda *args: run_main(main, PROG, *args)
+
+
+def test_each_sample_is_what_its_seed_gives_alone_and_the_prompt_is_held_once(generate, model_path):
+    code, out, err = generate("--num-samples", 3, "--temperature", 0.9, "--seed", 5, "--ignore-eos", "--json",
+                              model_path, PREFIX, 6)
+    assert code == 0, err
+    report = json.loads(out)
+    assert [s["seed"] for s in report["samples"]] == [5, 6, 7]
+    for sample in report["samples"][1:]:
+        code, out, err = generate("--kv", "paged", "--temperature", 0.9, "--seed", sample["seed"],
+                                  "--ignore-eos", "--json", model_path, PREFIX, 6)
+        assert json.loads(out)["token_ids"] == sample["token_ids"]
+    m = report["metrics"]
+    block = 16 * 30 * 2 * 192 * 4
+    prompt = len(report["prompt_ids"])
+    # Full blocks once; the partial last block too, still shared until the first decode step copies it.
+    assert m["start_cache_bytes"] == -(-prompt // 16) * block
+    assert m["unshared_prompt_bytes"] == 3 * prompt * block // 16
+    assert m["decode_tokens"] == 15 and m["decode_steps"] == 5
+
+
+def test_batch_reuses_the_blocks_of_a_shared_prefix(generate, model_path, tmp_path):
+    batch = tmp_path / "prompts.txt"
+    questions = ["What is the capital of France?", "Name a prime number.", "What colour is the sky?"]
+    batch.write_text("\n".join(PREFIX + q for q in questions[:2])
+                     + "\n" + json.dumps({"prompt": PREFIX + questions[2], "max_new_tokens": 3}) + "\n")
+    code, out, err = generate("--batch", batch, "--ignore-eos", "--json", model_path, 5)
+    assert code == 0, err
+    *rows, summary = [json.loads(line) for line in out.splitlines()]
+    assert [r["reused_tokens"] for r in rows] == [0, 32, 32]  # two full 16-token blocks of the prefix
+    assert [len(r["token_ids"]) for r in rows] == [5, 5, 3]
+    alone = PREFIX + questions[1]
+    code, out, err = generate("--json", "--kv", "prealloc", "--ignore-eos", model_path, alone, 5)
+    assert json.loads(out)["token_ids"] == rows[1]["token_ids"]  # reused blocks change nothing
+    assert summary["summary"]["reused_tokens"] == 64 and summary["summary"]["prompts"] == 3
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (("--num-samples", "0", "hi"), "--num-samples must be at least 1"),
+        (("--num-samples", "2", "--kv", "prealloc", "hi"), "paged block pool"),
+        (("--num-samples", "2", "--max-context", "64", "hi"), "for one sequence"),
+    ],
+)
+def test_bad_many_sequence_flags_are_refused(generate, args, fragment):
+    code, _, err = generate(*args)
+    assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_bad_batch_line_is_refused_naming_it(generate, model_path, tmp_path):
+    batch = tmp_path / "prompts.txt"
+    batch.write_text('hello\n{"prompt": "x", "colour": 1}\n')
+    code, out, err = generate("--batch", batch, model_path)
+    assert code == 2 and "line 2" in err and "colour" in err and out == ""
