@@ -22,6 +22,8 @@ from inferno.errors import InfernoError
 from inferno.kv import KVCache
 from inferno.quant import QuantizedMatrix, tensor_to_float32, uses_blas
 
+PREFILL_CHUNK = 512  # tokens per forward when prefilling into a cache that evicts
+
 
 class Projections:
     """Weights applied to the same input (q/k/v; gate/up). Those sharing a block type and row length
@@ -87,6 +89,7 @@ class Transformer:
         self.output_norm = output_norm
         self.output = output
         self.inv_freq = rope_frequencies(config)
+        self.rotary = kernels.Rotary(self.inv_freq, config.rope_neox)
 
     @classmethod
     def from_gguf(cls, reader: GGUFReader) -> Transformer:
@@ -129,9 +132,18 @@ class Transformer:
 
     # -- the two cached paths ------------------------------------------------------------------
 
-    def prefill(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
-        """Run `tokens` after the cache's committed tokens, store their K/V; logits of the last one."""
-        return self._forward_sequence(tokens, cache)
+    def prefill(self, tokens: np.ndarray, cache: KVCache, every_logit: bool = False) -> np.ndarray:
+        """Run `tokens` after the cache's committed tokens, store their K/V; logits of the last one
+        (every_logit: [T, vocab], one row per token, for teacher-forced scoring).
+
+        A cache that evicts takes the prompt in chunks of PREFILL_CHUNK, so a prompt of any length
+        (past the context, too) runs in bounded memory.
+        """
+        if not cache.evicts:
+            return self._forward_sequence(tokens, cache, every_logit)
+        chunks = [self._forward_sequence(tokens[i : i + PREFILL_CHUNK], cache, every_logit)
+                  for i in range(0, len(tokens), PREFILL_CHUNK)]
+        return np.concatenate(chunks) if every_logit else chunks[-1]
 
     def decode(
         self, token: int, pos: int, cache: KVCache, queries: list[np.ndarray] | None = None
@@ -165,7 +177,9 @@ class Transformer:
 
     # -- pieces --------------------------------------------------------------------------------
 
-    def _forward_sequence(self, tokens: np.ndarray, cache: KVCache | None) -> np.ndarray:
+    def _forward_sequence(
+        self, tokens: np.ndarray, cache: KVCache | None, every_logit: bool = False
+    ) -> np.ndarray:
         c = self.config
         start = cache.length if cache is not None else 0
         x = self.embedding.rows_at(np.asarray(tokens))
@@ -173,15 +187,15 @@ class Transformer:
             q, k, v = self._qkv(layer, kernels.rmsnorm(x, layer.attn_norm, c.rms_eps))
             kernels.rope(q, start, c.n_heads, self.inv_freq, c.rope_neox)
             kernels.rope(k, start, c.n_kv_heads, self.inv_freq, c.rope_neox)
-            if cache is not None:
-                cache.write(i, start, k, v)
-                k, v = cache.read(i, start + len(tokens))
-            attn = kernels.attention_prefill(q, k, v, c.n_heads, start)
+            if cache is None:
+                attn = kernels.attention_prefill(q, k, v, c.n_heads, start)
+            else:
+                attn = cache.attend_new(i, start, q, k, v)
             x = x + layer.wo.matmul(attn)
             x = x + self._mlp(layer, x)
         if cache is not None:
             cache.commit(len(tokens))
-        return self._logits(x[-1:])[0]
+        return self._logits(x) if every_logit else self._logits(x[-1:])[0]
 
     def _qkv(self, layer: Layer, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Projections of normed rows h [T, hidden] to q [T, q_width], k and v [T, kv_width]."""

@@ -8,8 +8,9 @@ from inferno.kv.base import KVCache, KVCacheFullError
 from inferno.kv.basic import BasicKVCache
 from inferno.kv.geometry import KVGeometry
 from inferno.kv.prealloc import PreallocKVCache
+from inferno.kv.window import WindowKVCache
 
-KINDS: dict[str, type[KVCache]] = {cls.kind: cls for cls in (BasicKVCache, PreallocKVCache)}
+KINDS: dict[str, type[KVCache]] = {cls.kind: cls for cls in (BasicKVCache, PreallocKVCache, WindowKVCache)}
 DEFAULT_KIND = "prealloc"
 
 __all__ = ["DEFAULT_KIND", "KINDS", "KVCache", "KVCacheFullError", "KVGeometry", "cache_class", "make_cache"]
@@ -22,6 +23,10 @@ def cache_class(kind: str) -> type[KVCache]:
     return KINDS[kind]
 
 
-def make_cache(kind: str, geometry: KVGeometry, capacity: int) -> KVCache:
-    """A cache of kind `kind` for `capacity` tokens of a model with this geometry."""
-    return cache_class(kind)(geometry, capacity)
+def make_cache(kind: str, geometry: KVGeometry, capacity: int, **options) -> KVCache:
+    """A cache of kind `kind` for `capacity` tokens of a model with this geometry; options are the
+    kind's own (window: `window`, `sinks`, `positions`, `rotary`)."""
+    cls = cache_class(kind)
+    if options and not cls.evicts:
+        raise InfernoError(f"{', '.join(options)} apply to a window cache, not to {kind!r}")
+    return cls(geometry, capacity, **options)
