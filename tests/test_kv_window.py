@@ -62,8 +62,7 @@ def test_before_it_wraps_it_is_laid_out_as_prealloc():
     cache = window_cache(window=5, sinks=2)
     feed(cache, 7, chunk=2)
     assert cache.evicted_tokens == 0
-    keys, values = cache.read(1)
-    np.testing.assert_array_equal(keys, rows_of(range(7)))
+    np.testing.assert_array_equal(cache.read(1)[0], rows_of(range(7)))
     np.testing.assert_array_equal(cache.head_rows(1, 1, 2, 7)[1], -rows_of(range(2, 7))[:, HEAD_DIM:])
 
 
@@ -232,7 +231,7 @@ def test_a_window_snapshot_is_saved_until_it_evicts_then_refused(engine, tmp_pat
     path = tmp_path / "window.safetensors"
     Snapshot.from_cache(cache, prompt, engine.config, engine.fingerprint).save(path)
     restored = engine.make_cache("window", len(prompt), 1, window=8)  # loads into a smaller window too
-    assert Snapshot.load(path).restore(restored, prompt + [42]) == len(prompt)
+    assert Snapshot.load(path).restore(restored, [*prompt, 42]) == len(prompt)
     assert restored.evicted_tokens == len(prompt) - 12
     with pytest.raises(InfernoError, match="no longer holds positions"):
         Snapshot.from_cache(restored, prompt, engine.config, engine.fingerprint)
@@ -244,7 +243,7 @@ def test_a_window_snapshot_is_saved_until_it_evicts_then_refused(engine, tmp_pat
         (["--kv", "prealloc", "--window", "8"], "apply to --kv window"),
         (["--kv", "window"], "needs a window"),
         (["--kv", "window", "--window", "8", "--sinks", "8"], "8 sinks must be fewer than the window of 8"),
-        (["--kv", "window", "--window", "64", "--max-context", "32"], r"cache's 32 tokens \(--max-context 32\)"),
+        (["--kv", "window", "--window", "64", "--max-context", "32"], r"32 tokens \(--max-context 32\)"),
     ],
 )
 def test_cli_refuses_bad_window_settings_in_one_line(run_main, model_path, args, message):
