@@ -21,9 +21,11 @@ from rich.text import Text
 
 from inferno.cli.common import blame, console, default_model, looks_like_model, progress_on, run, set_threads
 from inferno.cli.display import fmt_bytes
+from inferno.cli.generate import cache_options
 from inferno.errors import InfernoError
 from inferno.gguf_file import GGUF_MAGIC
-from inferno.kv import KVCache, KVGeometry
+from inferno.kv import DEFAULT_KIND, KINDS, KVCache, KVGeometry
+from inferno.kv.window import POSITIONS
 from inferno.snapshot import Snapshot
 
 if TYPE_CHECKING:
@@ -46,14 +48,15 @@ def is_snapshot_file(arg: str) -> bool:
 
 
 def fill_cache(
-    engine: Engine, prompt_ids: Sequence[int], n_decode: int, max_context: int | None
+    engine: Engine, prompt_ids: Sequence[int], n_decode: int, max_context: int | None,
+    kind: str = DEFAULT_KIND, **options,
 ) -> tuple[KVCache, list[int], list[np.ndarray]]:
-    """Run the prompt and n_decode greedy tokens into a prealloc cache: (cache, token ids, queries).
+    """Run the prompt and n_decode greedy tokens into a cache of `kind`: (cache, token ids, queries).
 
     The last token goes through decode, which hands over each layer's query row after RoPE.
     """
     with blame("--max-context", max_context):
-        cache = engine.make_cache("prealloc", len(prompt_ids), n_decode, max_context)
+        cache = engine.make_cache(kind, len(prompt_ids), n_decode, max_context, **options)
     model, ids = engine.model, list(prompt_ids)
     if len(ids) > 1:
         model.prefill(np.array(ids[:-1]), cache)
@@ -87,11 +90,16 @@ def attention_weights(query: np.ndarray, keys: np.ndarray, geometry: KVGeometry)
 
 
 def build_report(
-    snapshot: Snapshot, capacity: int, bytes_allocated: int, texts: list[str] | None
+    snapshot: Snapshot, capacity: int, bytes_allocated: int, texts: list[str] | None,
+    positions: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """Everything kv-inspect shows about a cache's contents, as plain data (the --json output)."""
+    """Everything kv-inspect shows about a cache's contents, as plain data (the --json output).
+
+    positions: of the snapshot's rows, when they are not 0.. (what a window cache still holds)."""
     g = snapshot.geometry
-    tokens = [{"pos": pos, "id": int(token_id)} for pos, token_id in enumerate(snapshot.token_ids)]
+    positions = range(snapshot.length) if positions is None else positions
+    tokens = [{"pos": int(pos), "id": int(token_id)} for pos, token_id in zip(positions, snapshot.token_ids,
+                                                                             strict=True)]
     if texts is not None:
         for token, text in zip(tokens, texts, strict=True):
             token["text"] = text
@@ -123,6 +131,8 @@ def inspect_model(
     layer: int | None,
     max_context: int | None,
     status: Console | None,
+    kind: str = DEFAULT_KIND,
+    **options,
 ) -> dict[str, Any]:
     """Load the model, fill a cache with the prompt and report on it (status: where to show progress)."""
     from inferno.engine import Engine
@@ -132,16 +142,48 @@ def inspect_model(
     if layer is not None and not 0 <= layer < layers:
         raise InfernoError(f"--layer {layer} does not exist: the model has layers 0..{layers - 1}")
     tok = engine.tokenizer
-    cache, ids, queries = fill_cache(engine, tok.encode(prompt), n_decode, max_context)
-    snapshot = Snapshot.from_cache(cache, ids, engine.config, engine.fingerprint)
-    texts = [tok.token_text(token_id) for token_id in ids]
+    cache, ids, queries = fill_cache(engine, tok.encode(prompt), n_decode, max_context, kind, **options)
     report = {"model": str(model_path), "cache": cache.kind}
-    report |= build_report(snapshot, cache.capacity, cache.nbytes, texts)
+    if cache.evicts:
+        held, snapshot = window_contents(cache, ids, engine)
+        report["window"] = window_report(cache)
+    else:
+        held, snapshot = None, Snapshot.from_cache(cache, ids, engine.config, engine.fingerprint)
+    texts = [tok.token_text(ids[pos]) for pos in (range(cache.length) if held is None else held)]
+    report |= build_report(snapshot, cache.capacity, cache.nbytes, texts, held)
+    report["length"] = cache.length  # a window cache holds fewer
     if layer is not None:
-        keys, _ = cache.read(layer)
+        keys = snapshot.keys[layer]
+        if cache.evicts:
+            keys = cache.attended_keys(layer)
         weights = attention_weights(queries[layer], keys, snapshot.geometry)
         report["attention"] = {"layer": layer, "query_pos": len(ids) - 1, "weights": weights.tolist()}
     return report
+
+
+def window_contents(cache: KVCache, ids: Sequence[int], engine: Engine) -> tuple[list[int], Snapshot]:
+    """The positions a window cache holds and their rows, as a snapshot-shaped view for the report."""
+    rows = [cache.held_rows(layer) for layer in range(cache.n_layers)]
+    held = rows[0][0]
+    if any(not np.array_equal(at, held) for at, _, _ in rows):
+        raise InfernoError("kv-inspect shows window caches whose layers all hold the same positions")
+    snapshot = Snapshot(
+        keys=np.stack([k for _, k, _ in rows]), values=np.stack([v for _, _, v in rows]),
+        token_ids=np.asarray(ids, np.int32)[held], architecture=engine.config.architecture,
+        geometry=cache.geometry, fingerprint=engine.fingerprint,
+    )
+    return held.tolist(), snapshot
+
+
+def window_report(cache: KVCache) -> dict[str, Any]:
+    """Which positions a window cache holds and how full it is."""
+    window = cache.geometry.window(0)
+    held = cache.held_positions(0, cache.length)
+    sinks = [int(p) for p in held if p < cache.sinks]
+    rest = [int(p) for p in held if p >= cache.sinks]
+    return {"window": window, "sinks": cache.sinks, "positions": cache.positions,
+            "sink_positions": sinks, "window_positions": [rest[0], rest[-1]] if rest else [],
+            "held": len(held), "rows": cache.rows[0], "evicted_tokens": cache.evicted_tokens}
 
 
 def split_args(args: tuple[str, ...]) -> tuple[Path | None, str]:
@@ -161,9 +203,15 @@ def split_args(args: tuple[str, ...]) -> tuple[Path | None, str]:
               help="Show the attention weights of the last query in layer L (0-based).")
 @click.option("--max-context", type=int, default=None,
               help="Tokens the cache is sized for (default: prompt + --decode).")
+@click.option("--kv", "kind", type=click.Choice(list(KINDS)), default=DEFAULT_KIND, show_default=True,
+              help="The cache kind to fill.")
+@click.option("--window", type=int, default=None, metavar="W", help="--kv window: the window of every layer.")
+@click.option("--sinks", type=int, default=None, metavar="S", help="--kv window: first positions kept.")
+@click.option("--window-positions", type=click.Choice(POSITIONS), default=None,
+              help="--kv window: shift or original.")
 @click.option("--threads", type=int, default=None, help="Threads for the kernels (default: all cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-def command(args, n_decode, layer, max_context, threads, as_json):
+def command(args, n_decode, layer, max_context, kind, window, sinks, window_positions, threads, as_json):
     """Show what a KV cache holds: geometry, fill, tokens, K/V norms, attention.
 
     \b
@@ -183,7 +231,9 @@ def command(args, n_decode, layer, max_context, threads, as_json):
     else:
         model_path, prompt = split_args(args)
         status = None if as_json else console(stderr=True)
-        report = inspect_model(model_path or default_model(), prompt, n_decode, layer, max_context, status)
+        options = cache_options(window, sinks, window_positions)
+        report = inspect_model(model_path or default_model(), prompt, n_decode, layer, max_context, status,
+                               kind, **options)
     if as_json:
         click.echo(json.dumps(report))
     else:
@@ -207,9 +257,12 @@ def print_report(r: dict[str, Any]) -> None:
         ("geometry", f"{r['layers']} layers x {r['kv_heads']} KV heads x head_dim {r['head_dim']}; "
                      f"{r['heads']} query heads, {group} per KV head"),
         ("row", f"{r['kv_width']} {r['dtype']} = {row_bytes:,} B per token and layer, for K and again for V"),
-        ("keys", "stored after RoPE: a cached row never needs rotating again"),
+        ("keys", "stored after RoPE: a cached row never needs rotating again"
+                 + ("; a window's sinks move with the slide (shift)" if r.get("window", {}).get("positions")
+                    == "shift" else "")),
         ("per token", f"{r['bytes_per_token']:,} B ({row_bytes:,} B x 2 x {r['layers']} layers)"),
         ("length", f"{r['length']:,} of {r['capacity']:,} tokens committed"),
+        *([("window", window_line(r["window"]))] if "window" in r else []),
         ("memory", f"{fmt_bytes(r['bytes_used'])} used of {fmt_bytes(r['bytes_allocated'])} allocated "
                    f"({r['bytes_used']:,} / {r['bytes_allocated']:,} B)"),
     ]
@@ -238,6 +291,14 @@ def print_report(r: dict[str, Any]) -> None:
         out.print(attention_map(r, out))
 
 
+def window_line(w: dict[str, Any]) -> str:
+    kept = w["sink_positions"]
+    sinks = f"sinks {kept[0]}..{kept[-1]}" if kept else "no sinks"
+    window = "..".join(map(str, w["window_positions"])) or "nothing"
+    return (f"{sinks} + positions {window} ({w['positions']} positions): {w['held']} of {w['rows']} rows "
+            f"per layer, {w['evicted_tokens']:,} evicted")
+
+
 def token_line(tokens: list[dict[str, Any]]) -> Text:
     """pos:token for every cached token, whitespace made visible; ids when there is no tokenizer."""
     line = Text()
@@ -258,9 +319,10 @@ def attention_map(r: dict[str, Any], out: Console) -> Table:
     group = r["heads"] // r["kv_heads"]
     heads = [f"q{h} (kv{h // group})" for h in range(r["heads"])]
     labels = [token_label(t) for t in r["tokens"]]
-    table = heatmap(percent, heads, [f"{n}\n{label}" for n, label in enumerate(labels)], "{:3.0f}")
+    at = [t["pos"] for t in r["tokens"]]
+    table = heatmap(percent, heads, [f"{n}\n{label}" for n, label in zip(at, labels, strict=True)], "{:3.0f}")
     if out.measure(table, options=out.options.update_width(10_000)).maximum > out.width:
-        rows = [f"{n:>4} {label}" for n, label in enumerate(labels)]
+        rows = [f"{n:>4} {label}" for n, label in zip(at, labels, strict=True)]
         table = heatmap(percent.T, rows, [f"q{h}" for h in range(r["heads"])], "{:3.0f}")
     return table
 

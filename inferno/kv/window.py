@@ -204,6 +204,16 @@ class WindowKVCache(KVCache):
         positions = self.held_positions(layer, self.length)
         return (positions, *self._gather(layer, positions))
 
+    def attended_keys(self, layer: int) -> np.ndarray:
+        """Keys of the held positions, ascending, as the query at the last committed position saw them
+        (shift: the sinks moved by the slide)."""
+        _, keys, _ = self.held_rows(layer)
+        w = self.geometry.window(layer)
+        if self._shifts(layer) and self.length > self.sinks + w:
+            self.rotary.rotate(keys[: self.sinks], self.geometry.kv_heads,
+                               np.full(self.sinks, self.length - self.sinks - w))
+        return keys
+
     def _gather(self, layer: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Keys (at their own rotation) and values of held positions."""
         slots = self._slots(layer, positions)
