@@ -57,6 +57,8 @@ class WindowKVCache(KVCache):
             raise ValueError("the shift positions need the model's RoPE (rotary)")
         self.sinks, self.positions, self.rotary = sinks, positions, rotary
         self.rows = self.layer_rows(geometry, capacity, sinks)  # slots of each layer
+        if None not in geometry.windows:
+            self.capacity = max(self.rows)  # what it holds at most: `capacity` only bounded the window
         self.keys = [lazy_zeros((n, geometry.kv_width)) for n in self.rows]
         self.values = [lazy_zeros((n, geometry.kv_width)) for n in self.rows]
         # shift: the sinks' keys at their own rotation; the slots hold them moved to the query's frame.
