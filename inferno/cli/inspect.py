@@ -261,7 +261,8 @@ def print_report(r: dict[str, Any]) -> None:
                  + ("; a window's sinks move with the slide (shift)" if r.get("window", {}).get("positions")
                     == "shift" else "")),
         ("per token", f"{r['bytes_per_token']:,} B ({row_bytes:,} B x 2 x {r['layers']} layers)"),
-        ("length", f"{r['length']:,} of {r['capacity']:,} tokens committed"),
+        ("length", f"{r['length']:,} tokens committed, at most {r['capacity']:,} held" if "window" in r
+                   else f"{r['length']:,} of {r['capacity']:,} tokens committed"),
         *([("window", window_line(r["window"]))] if "window" in r else []),
         ("memory", f"{fmt_bytes(r['bytes_used'])} used of {fmt_bytes(r['bytes_allocated'])} allocated "
                    f"({r['bytes_used']:,} / {r['bytes_allocated']:,} B)"),
