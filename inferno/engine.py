@@ -20,7 +20,7 @@ from inferno.config import ModelConfig
 from inferno.errors import InfernoError
 from inferno.generate import Generation, stream_generate
 from inferno.gguf_file import open_gguf
-from inferno.kv import KVCache, make_cache
+from inferno.kv import KVCache, cache_class, make_cache
 from inferno.metrics import RunRecord, Startup
 from inferno.model import Transformer
 from inferno.quant import MATMUL_MIN_ROWS
@@ -60,15 +60,32 @@ class Engine:
         return cls(model, tokenizer, startup, fingerprint, str(path))
 
     def make_cache(
-        self, kind: str | None, prompt_tokens: int, new_tokens: int, max_context: int | None = None,
-        **options,
+        self, kind: str | None, prompt_tokens: int, new_tokens: int, max_context: int | None = None, **options
     ) -> KVCache | None:
         """The cache for a request (None: no cache), refusing before any work a request that cannot fit.
-        options: the kind's own (paged: block_size)."""
+
+        options: the kind's own (window: `window`, `sinks`, `positions`; paged: `block_size`). A kind
+        that evicts holds what it can and runs past the model's context in its sliding layers; its
+        global layers, if any, hold up to --max-context (default: the model's context).
+        """
         context = self.config.context_length
         needed = prompt_tokens + new_tokens
         if prompt_tokens == 0:
             raise InfernoError("the prompt is empty (0 tokens)")
+        if kind is not None and cache_class(kind).evicts:
+            capacity = max_context or context
+            if capacity > context:
+                raise InfernoError(
+                    f"a cache of {capacity} tokens is more than the model's context of {context}"
+                )
+            rotary = self.model.layer_rotary
+            cache = make_cache(kind, self.config.kv_geometry, capacity, rotary=rotary, **options)
+            if None in cache.geometry.windows and needed > capacity:
+                raise InfernoError(
+                    f"prompt of {prompt_tokens} tokens + {new_tokens} new tokens = {needed}, more than the "
+                    f"{capacity} tokens the model's global layers can hold"
+                )
+            return cache
         if prompt_tokens > context:
             raise InfernoError(
                 f"prompt of {prompt_tokens} tokens is longer than the model's context of {context}"
@@ -107,14 +124,15 @@ class Engine:
         max_context: int | None = None,
         cache: KVCache | None = None,
         ignore_eos: bool = False,
+        **cache_options,
     ) -> Iterator[Generation]:
         """stream_generate on this model: the same live Generation after each new token.
 
         cache: a cache already holding a prefix of prompt_ids (a loaded snapshot); else one of kind
-        `kv` is made for the request (None: no cache, the naive path).
+        `kv` is made for the request (None: no cache, the naive path) with cache_options (`window=256`).
         """
         if cache is None:
-            cache = self.make_cache(kv, len(prompt_ids), max_new_tokens, max_context)
+            cache = self.make_cache(kv, len(prompt_ids), max_new_tokens, max_context, **cache_options)
         is_stop = (lambda _: False) if ignore_eos else self.tokenizer.is_stop
         return stream_generate(self.model, prompt_ids, max_new_tokens, sampler or Sampler(), cache, is_stop)
 

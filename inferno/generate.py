@@ -52,6 +52,7 @@ def stream_generate(
         metrics.per_forward_ms.append((perf_counter() - t) * 1000)
         if cache is not None:
             metrics.cache_bytes = cache.nbytes
+            metrics.evicted_tokens = cache.evicted_tokens
         return logits
 
     t0 = perf_counter()

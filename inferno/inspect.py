@@ -8,11 +8,13 @@ and a snapshot is inspected as the cache it was saved from.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from inferno.kv import KVCache, make_cache
+from inferno.errors import InfernoError
+from inferno.kv import KVCache, KVGeometry, make_cache
 from inferno.snapshot import Snapshot
 
 if TYPE_CHECKING:
@@ -22,13 +24,15 @@ INSPECTED_KIND = "prealloc"
 
 
 def fill_cache(
-    engine: Engine, prompt_ids: Sequence[int], n_decode: int, max_context: int | None = None
+    engine: Engine, prompt_ids: Sequence[int], n_decode: int, max_context: int | None = None,
+    kind: str = INSPECTED_KIND, **options,
 ) -> tuple[KVCache, list[int], list[np.ndarray]]:
-    """Run the prompt and n_decode greedy tokens into a cache: (cache, token ids, queries).
+    """Run the prompt and n_decode greedy tokens into a cache of `kind` (options: the kind's own):
+    (cache, token ids, queries).
 
     The last token goes through decode, which hands over each layer's query row after RoPE.
     """
-    cache = engine.make_cache(INSPECTED_KIND, len(prompt_ids), n_decode, max_context)
+    cache = engine.make_cache(kind, len(prompt_ids), n_decode, max_context, **options)
     model, ids = engine.model, list(prompt_ids)
     if len(ids) > 1:
         model.prefill(np.array(ids[:-1]), cache)
@@ -69,10 +73,13 @@ def attention_weights(cache: KVCache, layer: int, query: np.ndarray) -> np.ndarr
     Query head h reads KV head h // group_size, as grouped-query attention does; a sliding-window
     layer sees only its last `window` positions (weight 0 before them).
     """
-    g = cache.geometry
     keys, _ = cache.read(layer)
-    window = g.window(layer)
-    first = max(len(keys) - window, 0) if window else 0
+    window = cache.geometry.window(layer)
+    return softmax_weights(query, keys, cache.geometry, max(len(keys) - window, 0) if window else 0)
+
+
+def softmax_weights(query: np.ndarray, keys: np.ndarray, g: KVGeometry, first: int = 0) -> np.ndarray:
+    """Attention weights [heads, len(keys)] of one query over keys[first:], 0 on the keys before."""
     q = query.reshape(g.kv_heads, g.group_size, g.head_dim).astype(np.float64)
     k = keys[first:].reshape(-1, g.kv_heads, g.head_dim).astype(np.float64)
     scores = np.einsum("hgd,shd->hgs", q, k).reshape(g.heads, -1) / np.sqrt(g.head_dim)
@@ -82,18 +89,22 @@ def attention_weights(cache: KVCache, layer: int, query: np.ndarray) -> np.ndarr
 
 
 def build_report(
-    cache: KVCache, token_ids: Sequence[int], architecture: str, fingerprint: str, texts: list[str] | None
+    cache: KVCache, token_ids: Sequence[int], architecture: str, fingerprint: str, texts: list[str] | None,
+    positions: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """Everything kv-inspect shows about a cache's contents, as plain data (its --json output).
 
     token_ids: the token at each committed position; texts: the same tokens as text, when there is a
-    tokenizer.
+    tokenizer; positions: of the cache's rows, when they are not 0.. (what a window cache holds).
     """
     if len(token_ids) != cache.length:
         raise ValueError(f"{len(token_ids)} token ids for a cache of {cache.length} tokens")
     g = cache.geometry
     dtype = cache.read(0)[0].dtype
-    tokens: list[dict[str, Any]] = [{"pos": pos, "id": int(token)} for pos, token in enumerate(token_ids)]
+    positions = range(cache.length) if positions is None else positions
+    tokens: list[dict[str, Any]] = [
+        {"pos": int(pos), "id": int(token)} for pos, token in zip(positions, token_ids, strict=True)
+    ]
     if texts is not None:
         for token, text in zip(tokens, texts, strict=True):
             token["text"] = text
@@ -127,15 +138,48 @@ def inspect_snapshot(snapshot: Snapshot) -> dict[str, Any]:
 
 def inspect_prompt(
     engine: Engine, prompt_ids: Sequence[int], n_decode: int = 0, layer: int | None = None,
-    max_context: int | None = None,
+    max_context: int | None = None, kind: str = INSPECTED_KIND, **options,
 ) -> dict[str, Any]:
-    """The report of a cache filled with the prompt and n_decode greedy tokens; with `layer`, also the
-    attention weights of that layer's last query."""
-    cache, ids, queries = fill_cache(engine, prompt_ids, n_decode, max_context)
-    texts = [engine.tokenizer.token_text(token_id) for token_id in ids]
+    """The report of a cache of `kind` filled with the prompt and n_decode greedy tokens; with `layer`,
+    also the attention weights of that layer's last query."""
+    cache, ids, queries = fill_cache(engine, prompt_ids, n_decode, max_context, kind, **options)
+    if cache.evicts:
+        held, view = held_view(cache)
+    else:
+        held, view = list(range(cache.length)), cache
+    texts = [engine.tokenizer.token_text(ids[pos]) for pos in held]
     report = {"cache": cache.kind}
-    report |= build_report(cache, ids, engine.config.architecture, engine.fingerprint, texts)
+    report |= build_report(view, [ids[pos] for pos in held], engine.config.architecture, engine.fingerprint,
+                           texts, held)
+    if cache.evicts:
+        report |= {"length": cache.length, "bytes_allocated": cache.nbytes, "window": window_report(cache)}
     if layer is not None:
-        weights = attention_weights(cache, layer, queries[layer])
+        if cache.evicts:
+            weights = softmax_weights(queries[layer], cache.attended_keys(layer), cache.geometry)
+        else:
+            weights = attention_weights(cache, layer, queries[layer])
         report["attention"] = {"layer": layer, "query_pos": len(ids) - 1, "weights": weights.tolist()}
     return report
+
+
+def held_view(cache: KVCache) -> tuple[list[int], KVCache]:
+    """The positions a window cache holds, and their rows in a plain cache to be reported like one."""
+    rows = [cache.held_rows(layer) for layer in range(cache.n_layers)]
+    held = rows[0][0]
+    if any(not np.array_equal(at, held) for at, _, _ in rows):
+        raise InfernoError("kv-inspect shows window caches whose layers all hold the same positions")
+    view = make_cache(INSPECTED_KIND, replace(cache.geometry, windows=()), max(len(held), 1))
+    for layer, (_, keys, values) in enumerate(rows):
+        view.write(layer, 0, keys, values)
+    view.commit(len(held))
+    return held.tolist(), view
+
+
+def window_report(cache: KVCache) -> dict[str, Any]:
+    """Which positions a window cache holds and how full it is."""
+    held = cache.held_positions(0, cache.length)
+    sinks = [int(p) for p in held if p < cache.sinks]
+    rest = [int(p) for p in held if p >= cache.sinks]
+    return {"window": cache.geometry.window(0), "sinks": cache.sinks, "positions": cache.positions,
+            "sink_positions": sinks, "window_positions": [rest[0], rest[-1]] if rest else [],
+            "held": len(held), "rows": cache.rows[0], "evicted_tokens": cache.evicted_tokens}

@@ -10,6 +10,7 @@ numpy's BLAS.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from llvmlite import ir
@@ -92,6 +93,26 @@ def rope(x: np.ndarray, start_pos: int, n_heads: int, inv_freq: np.ndarray, neox
     """RoPE in place for a whole sequence x [T, n_heads * head_dim] at positions start_pos.. ."""
     for t in range(x.shape[0]):
         rope_single_row(x[t], start_pos + t, n_heads, inv_freq, neox)
+
+
+@njit(cache=True, fastmath=True)
+def rope_at(x: np.ndarray, positions: np.ndarray, n_heads: int, inv_freq: np.ndarray, neox: bool) -> None:
+    """RoPE in place, row t of x [T, n_heads * head_dim] by the angles of positions[t] (int64, may be
+    negative). Rotations compose: rotating a row already at position p by d puts it at p + d."""
+    for t in range(x.shape[0]):
+        rope_single_row(x[t], positions[t], n_heads, inv_freq, neox)
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """A model's RoPE, for a cache that moves keys (or queries) to other positions."""
+
+    inv_freq: np.ndarray  # float32 [rope_dim / 2]
+    neox: bool
+
+    def rotate(self, x: np.ndarray, n_heads: int, positions: np.ndarray) -> None:
+        """Rotate row t of x [T, n_heads * head_dim] in place by positions[t] positions."""
+        rope_at(x, positions.astype(np.int64), n_heads, self.inv_freq, self.neox)
 
 
 @njit(cache=True, fastmath=True)
@@ -314,5 +335,56 @@ def attention_prefill(
         scores = np.matmul(q_heads, k_heads[:, :, first:visible]) * scale
         causal_softmax(scores, n, first_pos + t0 - first, window or 0)
         mixed = np.matmul(scores, v_heads[:, first:visible])  # [n_kv, group * n, D]
+        out[t0:t1] = mixed.reshape(n_kv, group, n, head_dim).transpose(2, 0, 1, 3).reshape(n, -1)
+    return out
+
+
+def attention_window(
+    q: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    key_pos: np.ndarray,
+    first_pos: int,
+    n_heads: int,
+    window: int,
+    sinks: int,
+    q_sinks: np.ndarray | None = None,
+    block: int = 256,
+) -> np.ndarray:
+    """Sliding-window attention (StreamingLLM) of T queries at positions first_pos.. over rows held at
+    key_pos (any order): the query at t sees the keys at p <= t with p < sinks or p > t - window.
+
+    q [T, n_heads * head_dim]; keys, values [S, kv_width]; key_pos int [S]. q_sinks, when given,
+    replaces q in the scores against the sink rows (p < sinks): queries rotated to another position.
+    Queries go in blocks, each over only the keys some query of the block can see.
+    """
+    n_queries = q.shape[0]
+    kv_width = keys.shape[1]
+    head_dim = q.shape[1] // n_heads
+    n_kv = kv_width // head_dim
+    group = n_heads // n_kv
+    scale = np.float32(1.0 / math.sqrt(head_dim))
+    out = np.empty_like(q)
+
+    def by_head(x: np.ndarray, n: int) -> np.ndarray:  # [n, n_kv, group, D] -> [n_kv, group * n, D]
+        return x.reshape(n, n_kv, group, head_dim).transpose(1, 2, 0, 3).reshape(n_kv, group * n, head_dim)
+
+    for t0 in range(0, n_queries, block):
+        t1 = min(t0 + block, n_queries)
+        n = t1 - t0
+        q_at = first_pos + np.arange(t0, t1)
+        near = (key_pos < sinks) | ((key_pos > q_at[0] - window) & (key_pos <= q_at[-1]))
+        pos = key_pos[near]
+        k_heads = keys[near].reshape(-1, n_kv, head_dim).transpose(1, 2, 0)  # [n_kv, D, m]
+        v_heads = values[near].reshape(-1, n_kv, head_dim).transpose(1, 0, 2)  # [n_kv, m, D]
+        scores = np.matmul(by_head(q[t0:t1], n), k_heads) * scale  # [n_kv, group * n, m]
+        is_sink = pos < sinks
+        if q_sinks is not None and is_sink.any():
+            scores[:, :, is_sink] = np.matmul(by_head(q_sinks[t0:t1], n), k_heads[:, :, is_sink]) * scale
+        seen = (pos[None, :] <= q_at[:, None]) & (is_sink[None, :] | (pos[None, :] > q_at[:, None] - window))
+        scores = np.where(np.tile(seen, (group, 1))[None], scores, -np.inf)
+        scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        scores /= scores.sum(axis=-1, keepdims=True)
+        mixed = np.matmul(scores.astype(np.float32), v_heads)  # [n_kv, group * n, D]
         out[t0:t1] = mixed.reshape(n_kv, group, n, head_dim).transpose(2, 0, 1, 3).reshape(n, -1)
     return out

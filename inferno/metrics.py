@@ -32,6 +32,7 @@ class Metrics:
     cache: str | None = None  # the cache kind, None without a cache
     cache_bytes: int = 0
     cache_capacity: int = 0
+    evicted_tokens: int = 0  # positions a window cache no longer holds (it evicts instead of refusing)
 
     @property
     def prefill_ms(self) -> float | None:
@@ -71,6 +72,7 @@ class Metrics:
             "cache": self.cache,
             "cache_bytes": self.cache_bytes,
             "cache_capacity": self.cache_capacity,
+            "evicted_tokens": self.evicted_tokens,
         }
 
 

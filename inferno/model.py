@@ -27,6 +27,8 @@ from inferno.quant_batch import batch_matmul
 
 MatMul = Callable[[QuantizedMatrix, np.ndarray], np.ndarray]  # x [n, cols] -> [n, rows]
 
+PREFILL_CHUNK = 512  # tokens per forward when prefilling into a cache that evicts
+
 
 class Projections:
     """Weights applied to the same input (q/k/v; gate/up). Those sharing a block type and row length
@@ -99,6 +101,7 @@ class Transformer:
         self.output = output
         bases = {base: rope_frequencies(config, base) for base in set(config.layer_rope_bases)}
         self.layer_inv_freq = [bases[base] for base in config.layer_rope_bases]
+        self.layer_rotary = [kernels.Rotary(f, config.rope_neox) for f in self.layer_inv_freq]
 
     @classmethod
     def from_gguf(cls, reader: GGUFReader) -> Transformer:
@@ -143,9 +146,18 @@ class Transformer:
 
     # -- the two cached paths ------------------------------------------------------------------
 
-    def prefill(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
-        """Run `tokens` after the cache's committed tokens, store their K/V; logits of the last one."""
-        return self._forward_sequence(tokens, cache)
+    def prefill(self, tokens: np.ndarray, cache: KVCache, every_logit: bool = False) -> np.ndarray:
+        """Run `tokens` after the cache's committed tokens, store their K/V; logits of the last one
+        (every_logit: [T, vocab], one row per token, for teacher-forced scoring).
+
+        A cache that evicts takes the prompt in chunks of PREFILL_CHUNK, so a prompt of any length
+        (past the context, too) runs in bounded memory.
+        """
+        if not cache.evicts:
+            return self._forward_sequence(tokens, cache, every_logit)
+        chunks = [self._forward_sequence(tokens[i : i + PREFILL_CHUNK], cache, every_logit)
+                  for i in range(0, len(tokens), PREFILL_CHUNK)]
+        return np.concatenate(chunks) if every_logit else chunks[-1]
 
     def decode(
         self, token: int, pos: int, cache: KVCache, queries: list[np.ndarray] | None = None
@@ -200,7 +212,9 @@ class Transformer:
 
     # -- pieces --------------------------------------------------------------------------------
 
-    def _forward_sequence(self, tokens: np.ndarray, cache: KVCache | None) -> np.ndarray:
+    def _forward_sequence(
+        self, tokens: np.ndarray, cache: KVCache | None, every_logit: bool = False
+    ) -> np.ndarray:
         c = self.config
         start = cache.length if cache is not None else 0
         x = self._embed(np.asarray(tokens))
@@ -208,15 +222,15 @@ class Transformer:
             q, k, v = self._qkv(layer, kernels.rmsnorm(x, layer.attn_norm, c.rms_eps))
             kernels.rope(q, start, c.n_heads, self.layer_inv_freq[i], c.rope_neox)
             kernels.rope(k, start, c.n_kv_heads, self.layer_inv_freq[i], c.rope_neox)
-            if cache is not None:
-                cache.write(i, start, k, v)
-                k, v = cache.read(i, start + len(tokens))
-            attn = kernels.attention_prefill(q, k, v, c.n_heads, start, window=c.layer_windows[i])
+            if cache is None:
+                attn = kernels.attention_prefill(q, k, v, c.n_heads, start, window=c.layer_windows[i])
+            else:
+                attn = cache.attend_new(i, start, q, k, v)
             x = x + self._post_norm(layer.wo.matmul(attn), layer.post_attn_norm)
             x = x + self._mlp(layer, x)
         if cache is not None:
             cache.commit(len(tokens))
-        return self._logits(x[-1:])[0]
+        return self._logits(x) if every_logit else self._logits(x[-1:])[0]
 
     def _qkv(
         self, layer: Layer, h: np.ndarray, matmul: MatMul | None = None

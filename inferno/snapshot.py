@@ -25,7 +25,7 @@ import hashlib
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +43,7 @@ TENSORS = ("keys", "values", "token_ids")
 SAMPLE_BYTES = 64  # of each tensor's data in the fingerprint
 
 
-GEOMETRY_KEYS = tuple(field.name for field in fields(KVGeometry))
+GEOMETRY_KEYS = ("layers", "kv_heads", "heads", "head_dim")  # the shape; a model's windows go in `windows`
 
 
 def model_fingerprint(reader: GGUFReader) -> str:
@@ -55,7 +55,8 @@ def model_fingerprint(reader: GGUFReader) -> str:
     """
     config = ModelConfig.from_gguf(reader)
     digest = hashlib.sha256()
-    digest.update(json.dumps([config.architecture, asdict(config.kv_geometry)]).encode())
+    shape = {name: getattr(config.kv_geometry, name) for name in GEOMETRY_KEYS}
+    digest.update(json.dumps([config.architecture, shape]).encode())
     for tensor in reader.tensors:
         shape = [int(n) for n in tensor.shape]
         digest.update(f"\n{tensor.name} {shape} {tensor.tensor_type.name}\n".encode())
@@ -111,7 +112,8 @@ class Snapshot:
             "format": FORMAT,
             "version": str(VERSION),
             "architecture": self.architecture,
-            **{name: str(n) for name, n in asdict(self.geometry).items()},
+            **{name: str(getattr(self.geometry, name)) for name in GEOMETRY_KEYS},
+            **({"windows": _windows_text(self.geometry.windows)} if self.geometry.windows else {}),
             "fingerprint": self.fingerprint,
             "data_sha256": _data_sha256(tensors),
         }
@@ -143,7 +145,8 @@ class Snapshot:
                 f"{path}: snapshot format version {meta.get('version')}, this inferno reads version {VERSION}"
             )
         try:
-            geometry = KVGeometry(**{name: int(meta[name]) for name in GEOMETRY_KEYS})
+            windows = _windows_from_text(meta.get("windows", ""))
+            geometry = KVGeometry(**{name: int(meta[name]) for name in GEOMETRY_KEYS}, windows=windows)
             architecture, fingerprint = meta["architecture"], meta["fingerprint"]
             checksum = meta["data_sha256"]
         except (KeyError, ValueError) as exc:
@@ -206,6 +209,14 @@ class Snapshot:
             cache.write(layer, 0, self.keys[layer, :n], self.values[layer, :n])
         cache.commit(n)
         return n
+
+
+def _windows_text(windows: tuple[int | None, ...]) -> str:
+    return ",".join("global" if w is None else str(w) for w in windows)
+
+
+def _windows_from_text(text: str) -> tuple[int | None, ...]:
+    return tuple(None if w == "global" else int(w) for w in text.split(",")) if text else ()
 
 
 def _data_sha256(tensors: dict[str, np.ndarray]) -> str:

@@ -49,6 +49,8 @@ def metrics_panel(run: RunRecord) -> Table:
         if m.cache
         else "off (every step reruns the whole sequence)"
     )
+    if m.evicted_tokens:
+        cache += f", {m.evicted_tokens:,} evicted"
     prefill = f"prefill {m.prefill_tok_s:.0f} tok/s" if m.prefill_tok_s else "no forward finished"
     rows = [
         ("KV cache", cache),

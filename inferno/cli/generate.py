@@ -13,6 +13,7 @@ import click
 from inferno.cli.common import blame, console, default_model, looks_like_model, progress_on, run, set_threads
 from inferno.errors import InfernoError
 from inferno.kv import KINDS
+from inferno.kv.window import POSITIONS
 
 PROG = "model-generate"
 DEFAULT_NEW_TOKENS = 32
@@ -47,6 +48,12 @@ def read_prompt_file(path: str) -> str:
         raise InfernoError(f"cannot read --prompt-file {path}: {exc}") from None
 
 
+def cache_options(window: int | None, sinks: int | None, positions: str | None) -> dict:
+    """The window kind's options given on the command line (those not given keep their defaults)."""
+    given = {"window": window, "sinks": sinks, "positions": positions}
+    return {name: value for name, value in given.items() if value is not None}
+
+
 def _optional_values(argv: list[str]) -> list[str]:
     """Flags whose value may be left out get their default when the next word is not a value of theirs:
     `--kv` alone means basic, `--log-tokens` alone means no alternatives."""
@@ -68,7 +75,7 @@ def _optional_values(argv: list[str]) -> list[str]:
 @click.option("--kv", "kv", default=None, metavar="MODE",
               help=f"KV cache: {' | '.join(KINDS)} (--kv alone: basic). Without it: no cache.")
 @click.option("--max-context", type=int, default=None,
-              help="Tokens the cache is sized for (default: prompt + new tokens).")
+              help="Tokens the cache is sized for (default: prompt + new tokens; window: the context).")
 @click.option("--block-size", type=int, default=None,
               help="Tokens per block of --kv paged (default: 16).")
 @click.option("--num-samples", type=int, default=None, metavar="N",
@@ -77,6 +84,13 @@ def _optional_values(argv: list[str]) -> list[str]:
               help="Prompts of FILE (one a line, or JSON lines with per-prompt options), decoded together.")
 @click.option("--max-batch", type=int, default=16, show_default=True,
               help="With --batch: sequences decoded together at most.")
+@click.option("--window", type=int, default=None, metavar="W",
+              help="--kv window: positions a sliding layer attends to (all layers, if the model sets none).")
+@click.option("--sinks", type=int, default=None, metavar="S",
+              help="--kv window: first positions always kept (attention sinks)  [default: 4]")
+@click.option("--window-positions", type=click.Choice(POSITIONS), default=None,
+              help="--kv window: positions of keys once the window slides: shift (as if contiguous) or "
+                   "original  [default: shift]")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 means greedy.")
 @click.option("--top-k", type=int, default=0, help="Sample from the k most likely tokens (0: off).")
@@ -93,8 +107,9 @@ def _optional_values(argv: list[str]) -> list[str]:
               help="After the run, save the KV cache to FILE as a snapshot (without --kv: prealloc).")
 @click.option("--load-cache", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Start from a snapshot: only the prompt past its tokens is prefilled.")
-def command(args, kv, max_context, block_size, num_samples, batch_file, max_batch, chat, temperature, top_k,
-            top_p, seed, ignore_eos, prompt_file, threads, log_tokens, as_json, save_cache, load_cache):
+def command(args, kv, max_context, block_size, num_samples, batch_file, max_batch, window, sinks,
+            window_positions, chat, temperature, top_k, top_p, seed, ignore_eos, prompt_file, threads,
+            log_tokens, as_json, save_cache, load_cache):
     """Generate text with a GGUF model on the CPU and report per-forward timings.
 
     With a KV cache decode cost stays flat; without one every step reruns the whole sequence.
@@ -118,6 +133,9 @@ def command(args, kv, max_context, block_size, num_samples, batch_file, max_batc
         raise InfernoError(f"--max-context must be at least 1, got {max_context}")
     if block_size is not None and (kv != "paged" or block_size < 1):
         raise InfernoError(f"--block-size needs --kv paged and at least 1 token, got {block_size}")
+    window_options = cache_options(window, sinks, window_positions)
+    if window_options and (kv is None or kv not in KINDS or not KINDS[kv].evicts):
+        raise InfernoError("--window, --sinks and --window-positions apply to --kv window")
     if save_cache and load_cache and Path(save_cache).resolve() == Path(load_cache).resolve():
         raise InfernoError("--save-cache names the --load-cache file, which is never modified: give another")
     if (save_cache or load_cache) and kv is None:
@@ -146,7 +164,7 @@ def command(args, kv, max_context, block_size, num_samples, batch_file, max_batc
     text = engine.prompt_text(prompt, chat)
     prompt_ids = engine.tokenizer.encode(text)
     with blame("--max-context", max_context):
-        options = {"block_size": block_size} if block_size else {}
+        options = window_options | ({"block_size": block_size} if block_size else {})
         cache = engine.make_cache(kv, len(prompt_ids), max_new, max_context, **options)
     load_cache_ms = None
     if load_cache:

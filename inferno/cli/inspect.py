@@ -21,9 +21,12 @@ from rich.text import Text
 
 from inferno.cli.common import blame, console, default_model, looks_like_model, progress_on, run, set_threads
 from inferno.cli.display import fmt_bytes
+from inferno.cli.generate import cache_options
 from inferno.errors import InfernoError
 from inferno.gguf_file import GGUF_MAGIC
 from inferno.inspect import inspect_prompt, inspect_snapshot
+from inferno.kv import DEFAULT_KIND, KINDS
+from inferno.kv.window import POSITIONS
 from inferno.snapshot import Snapshot
 
 PROG = "kv-inspect"
@@ -49,6 +52,8 @@ def inspect_model(
     layer: int | None,
     max_context: int | None,
     status: Console | None,
+    kind: str = DEFAULT_KIND,
+    **options,
 ) -> dict[str, Any]:
     """Load the model, fill a cache with the prompt and report on it (status: where to show progress)."""
     from inferno.engine import Engine
@@ -58,7 +63,8 @@ def inspect_model(
     if layer is not None and not 0 <= layer < layers:
         raise InfernoError(f"--layer {layer} does not exist: the model has layers 0..{layers - 1}")
     with blame("--max-context", max_context):
-        report = inspect_prompt(engine, engine.tokenizer.encode(prompt), n_decode, layer, max_context)
+        report = inspect_prompt(engine, engine.tokenizer.encode(prompt), n_decode, layer, max_context, kind,
+                                **options)
     return {"model": str(model_path)} | report
 
 
@@ -79,9 +85,15 @@ def split_args(args: tuple[str, ...]) -> tuple[Path | None, str]:
               help="Show the attention weights of the last query in layer L (0-based).")
 @click.option("--max-context", type=int, default=None,
               help="Tokens the cache is sized for (default: prompt + --decode).")
+@click.option("--kv", "kind", type=click.Choice(list(KINDS)), default=DEFAULT_KIND, show_default=True,
+              help="The cache kind to fill.")
+@click.option("--window", type=int, default=None, metavar="W", help="--kv window: the window of every layer.")
+@click.option("--sinks", type=int, default=None, metavar="S", help="--kv window: first positions kept.")
+@click.option("--window-positions", type=click.Choice(POSITIONS), default=None,
+              help="--kv window: shift or original.")
 @click.option("--threads", type=int, default=None, help="Threads for the kernels (default: all cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-def command(args, n_decode, layer, max_context, threads, as_json):
+def command(args, n_decode, layer, max_context, kind, window, sinks, window_positions, threads, as_json):
     """Show what a KV cache holds: geometry, fill, tokens, K/V norms, attention.
 
     \b
@@ -100,7 +112,9 @@ def command(args, n_decode, layer, max_context, threads, as_json):
     else:
         model_path, prompt = split_args(args)
         status = None if as_json else console(stderr=True)
-        report = inspect_model(model_path or default_model(), prompt, n_decode, layer, max_context, status)
+        options = cache_options(window, sinks, window_positions)
+        report = inspect_model(model_path or default_model(), prompt, n_decode, layer, max_context, status,
+                               kind, **options)
     if as_json:
         click.echo(json.dumps(report))
     else:
@@ -124,9 +138,13 @@ def print_report(r: dict[str, Any]) -> None:
         ("geometry", f"{r['layers']} layers x {r['kv_heads']} KV heads x head_dim {r['head_dim']}; "
                      f"{r['heads']} query heads, {group} per KV head"),
         ("row", f"{r['kv_width']} {r['dtype']} = {row_bytes:,} B per token and layer, for K and again for V"),
-        ("keys", "stored after RoPE: a cached row never needs rotating again"),
+        ("keys", "stored after RoPE: a cached row never needs rotating again"
+                 + ("; a window's sinks move with the slide (shift)" if r.get("window", {}).get("positions")
+                    == "shift" else "")),
         ("per token", f"{r['bytes_per_token']:,} B ({row_bytes:,} B x 2 x {r['layers']} layers)"),
-        ("length", f"{r['length']:,} of {r['capacity']:,} tokens committed"),
+        ("length", f"{r['length']:,} tokens committed, at most {r['capacity']:,} held" if "window" in r
+                   else f"{r['length']:,} of {r['capacity']:,} tokens committed"),
+        *([("window", window_line(r["window"]))] if "window" in r else []),
         ("memory", f"{fmt_bytes(r['bytes_used'])} used of {fmt_bytes(r['bytes_allocated'])} allocated "
                    f"({r['bytes_used']:,} / {r['bytes_allocated']:,} B)"),
     ]
@@ -155,6 +173,14 @@ def print_report(r: dict[str, Any]) -> None:
         out.print(attention_map(r, out))
 
 
+def window_line(w: dict[str, Any]) -> str:
+    kept = w["sink_positions"]
+    sinks = f"sinks {kept[0]}..{kept[-1]}" if kept else "no sinks"
+    window = "..".join(map(str, w["window_positions"])) or "nothing"
+    return (f"{sinks} + positions {window} ({w['positions']} positions): {w['held']} of {w['rows']} rows "
+            f"per layer, {w['evicted_tokens']:,} evicted")
+
+
 def token_line(tokens: list[dict[str, Any]]) -> Text:
     """pos:token for every cached token, whitespace made visible; ids when there is no tokenizer."""
     line = Text()
@@ -175,9 +201,10 @@ def attention_map(r: dict[str, Any], out: Console) -> Table:
     group = r["heads"] // r["kv_heads"]
     heads = [f"q{h} (kv{h // group})" for h in range(r["heads"])]
     labels = [token_label(t) for t in r["tokens"]]
-    table = heatmap(percent, heads, [f"{n}\n{label}" for n, label in enumerate(labels)], "{:3.0f}")
+    at = [t["pos"] for t in r["tokens"]]
+    table = heatmap(percent, heads, [f"{n}\n{label}" for n, label in zip(at, labels, strict=True)], "{:3.0f}")
     if out.measure(table, options=out.options.update_width(10_000)).maximum > out.width:
-        rows = [f"{n:>4} {label}" for n, label in enumerate(labels)]
+        rows = [f"{n:>4} {label}" for n, label in zip(at, labels, strict=True)]
         table = heatmap(percent.T, rows, [f"q{h}" for h in range(r["heads"])], "{:3.0f}")
     return table
 

@@ -9,8 +9,11 @@ from inferno.kv.basic import BasicKVCache
 from inferno.kv.geometry import KVGeometry
 from inferno.kv.paged import PagedKVCache
 from inferno.kv.prealloc import PreallocKVCache
+from inferno.kv.window import WindowKVCache
 
-KINDS: dict[str, type[KVCache]] = {cls.kind: cls for cls in (BasicKVCache, PreallocKVCache, PagedKVCache)}
+KINDS: dict[str, type[KVCache]] = {
+    cls.kind: cls for cls in (BasicKVCache, PreallocKVCache, WindowKVCache, PagedKVCache)
+}
 DEFAULT_KIND = "prealloc"
 
 __all__ = ["DEFAULT_KIND", "KINDS", "KVCache", "KVCacheFullError", "KVGeometry", "cache_class", "make_cache"]
@@ -25,5 +28,5 @@ def cache_class(kind: str) -> type[KVCache]:
 
 def make_cache(kind: str, geometry: KVGeometry, capacity: int, **options) -> KVCache:
     """A cache of kind `kind` for `capacity` tokens of a model with this geometry; options are the
-    kind's own (paged: block_size)."""
+    kind's own (window: `window`, `sinks`, `positions`, `rotary`; paged: `block_size`)."""
     return cache_class(kind)(geometry, capacity, **options)

@@ -26,13 +26,16 @@ from inferno.kv.geometry import KVGeometry
 
 
 class KVCacheFullError(InfernoError):
-    """A write would go past the cache's capacity; nothing is ever wrapped around or dropped."""
+    """A write would go past the cache's capacity; only a kind that `evicts` ever drops a row."""
 
 
 class KVCache(ABC):
     """Keys and values of every layer, rows [token, kv_width] in float32."""
 
     kind: ClassVar[str]
+    # A kind that evicts old positions to make room never refuses for length, may run past the
+    # model's context, and may move keys to other positions: it is given the model's RoPE.
+    evicts: ClassVar[bool] = False
 
     def __init__(self, geometry: KVGeometry, capacity: int):
         if capacity < 1:
@@ -72,16 +75,19 @@ class KVCache(ABC):
     def write(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store rows k, v [n, kv_width] of `layer` at positions pos .. pos + n - 1."""
         n = k.shape[0]
-        if pos + n > self.capacity:
-            raise KVCacheFullError(
-                f"KV cache is full: {n} token(s) at position {pos} need {pos + n} slots, "
-                f"it was sized for {self.capacity}"
-            )
+        self._check_room(layer, pos, n)
         if pos != self._written[layer]:
             held = self._written[layer]
             raise ValueError(f"layer {layer} holds {held} rows; rows go at the end, not at {pos}")
         self._store(layer, pos, k, v)
         self._written[layer] = pos + n
+
+    def _check_room(self, layer: int, pos: int, n: int) -> None:
+        if pos + n > self.capacity:
+            raise KVCacheFullError(
+                f"KV cache is full: {n} token(s) at position {pos} need {pos + n} slots, "
+                f"it was sized for {self.capacity}"
+            )
 
     def commit(self, n_tokens: int) -> None:
         """Make the last n_tokens visible; every layer must have written them."""
@@ -128,6 +134,19 @@ class KVCache(ABC):
         if window is not None:
             keys, values = keys[-window:], values[-window:]
         return kernels.attention_decode(query, keys, values, self.geometry.heads)
+
+    def attend_new(self, layer: int, pos: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """Prefill's attention: store rows k, v [T, kv_width] at pos.., then queries q [T, heads * head_dim]
+        at the same positions attend causally over the cache; returns [T, heads * head_dim]."""
+        self.write(layer, pos, k, v)
+        keys, values = self.read(layer, pos + k.shape[0])
+        return kernels.attention_prefill(q, keys, values, self.geometry.heads, pos,
+                                         window=self.geometry.window(layer))
+
+    @property
+    def evicted_tokens(self) -> int:
+        """Committed positions some layer no longer holds (only a kind that `evicts` has any)."""
+        return 0
 
     def reset(self) -> None:
         """Forget every token (memory is kept where the kind allows it)."""
