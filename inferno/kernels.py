@@ -195,7 +195,6 @@ def attention_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_head
     partial softmaxes are then rescaled to the global maximum and summed.
     """
     n_pos = keys.shape[0]
-    head_dim = q.shape[0] // n_heads
     n_spans = (n_pos + DECODE_SPAN - 1) // DECODE_SPAN
     partial = np.empty((n_spans, q.shape[0]), np.float32)
     stats = np.empty((n_spans, n_heads, 2), np.float32)
@@ -203,7 +202,16 @@ def attention_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_head
         s0, s1 = c * DECODE_SPAN, min((c + 1) * DECODE_SPAN, n_pos)
         weights = np.empty((n_heads, s1 - s0), np.float32)
         attend_span(q, keys[s0:s1], values[s0:s1], n_heads, weights, partial[c], stats[c])
-    out = np.zeros_like(q)
+    return combine_spans(partial, stats, n_heads)
+
+
+@njit(cache=True, fastmath=True)
+def combine_spans(partial: np.ndarray, stats: np.ndarray, n_heads: int) -> np.ndarray:
+    """The attention output from spans' unnormalised parts partial [spans, heads * head_dim] and their
+    stats [spans, heads, (max score, sum of exp)]: each rescaled to the global maximum, summed, normalised."""
+    n_spans, width = partial.shape
+    head_dim = width // n_heads
+    out = np.zeros(width, np.float32)
     for h in range(n_heads):
         top = stats[0, h, 0]
         for c in range(1, n_spans):
