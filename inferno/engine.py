@@ -20,7 +20,7 @@ from inferno.config import ModelConfig
 from inferno.errors import InfernoError
 from inferno.generate import Generation, stream_generate
 from inferno.gguf_file import open_gguf
-from inferno.kv import KVCache, make_cache
+from inferno.kv import DEFAULT_DTYPE, KVCache, make_cache
 from inferno.metrics import RunRecord, Startup
 from inferno.model import Transformer
 from inferno.quant import MATMUL_MIN_ROWS
@@ -60,9 +60,12 @@ class Engine:
         return cls(model, tokenizer, startup, fingerprint, str(path))
 
     def make_cache(
-        self, kind: str | None, prompt_tokens: int, new_tokens: int, max_context: int | None = None
+        self, kind: str | None, prompt_tokens: int, new_tokens: int, max_context: int | None = None,
+        dtype: str = DEFAULT_DTYPE,
     ) -> KVCache | None:
-        """The cache for a request (None: no cache), refusing before any work a request that cannot fit."""
+        """The cache for a request (None: no cache), refusing before any work a request that cannot fit.
+
+        dtype: the element type of its rows (`inferno.kv.dtypes`)."""
         context = self.config.context_length
         needed = prompt_tokens + new_tokens
         if prompt_tokens == 0:
@@ -72,6 +75,8 @@ class Engine:
                 f"prompt of {prompt_tokens} tokens is longer than the model's context of {context}"
             )
         if kind is None:
+            if dtype != DEFAULT_DTYPE:
+                raise InfernoError(f"a {dtype} element type needs a KV cache, and none was asked for")
             if needed > context:
                 raise InfernoError(
                     f"prompt of {prompt_tokens} tokens + {new_tokens} new tokens = {needed}, "
@@ -88,7 +93,7 @@ class Engine:
                 f"prompt of {prompt_tokens} tokens + {new_tokens} new tokens = {needed}, "
                 f"more than the cache's {capacity} tokens"
             )
-        return make_cache(kind, self.config.kv_geometry, capacity)
+        return make_cache(kind, self.config.kv_geometry, capacity, dtype)
 
     # -- the Python API ------------------------------------------------------------------------
 
@@ -102,6 +107,7 @@ class Engine:
         max_new_tokens: int,
         kv: str | None = "prealloc",
         sampler: Sampler | None = None,
+        kv_dtype: str = DEFAULT_DTYPE,
         max_context: int | None = None,
         cache: KVCache | None = None,
         ignore_eos: bool = False,
@@ -109,10 +115,10 @@ class Engine:
         """stream_generate on this model: the same live Generation after each new token.
 
         cache: a cache already holding a prefix of prompt_ids (a loaded snapshot); else one of kind
-        `kv` is made for the request (None: no cache, the naive path).
+        `kv` with rows of element type `kv_dtype` is made for the request (None: no cache, the naive path).
         """
         if cache is None:
-            cache = self.make_cache(kv, len(prompt_ids), max_new_tokens, max_context)
+            cache = self.make_cache(kv, len(prompt_ids), max_new_tokens, max_context, kv_dtype)
         is_stop = (lambda _: False) if ignore_eos else self.tokenizer.is_stop
         return stream_generate(self.model, prompt_ids, max_new_tokens, sampler or Sampler(), cache, is_stop)
 

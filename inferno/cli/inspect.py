@@ -23,7 +23,8 @@ from inferno.cli.common import blame, console, default_model, looks_like_model, 
 from inferno.cli.display import fmt_bytes
 from inferno.errors import InfernoError
 from inferno.gguf_file import GGUF_MAGIC
-from inferno.kv import KVCache, KVGeometry
+from inferno.kv import DEFAULT_DTYPE, DTYPES, KVCache, KVGeometry, make_cache
+from inferno.kv.dtypes import element_type
 from inferno.snapshot import Snapshot
 
 if TYPE_CHECKING:
@@ -73,6 +74,23 @@ def mean_norms(rows: np.ndarray, kv_heads: int) -> list[list[float]]:
     return np.linalg.norm(heads, axis=-1).mean(axis=1).tolist()
 
 
+def requantized(cache: KVCache, dtype: str) -> tuple[KVCache, list[list[float]], list[list[float]]]:
+    """The float cache's committed rows stored as `dtype` in a prealloc cache, and what that loses:
+    the relative RMS error ||stored - float|| / ||float|| of K and of V, per layer and KV head."""
+    g = cache.geometry
+    stored = make_cache("prealloc", g, cache.capacity, dtype)
+    errors: tuple[list, list] = ([], [])
+    for layer in range(g.layers):
+        keys, values = cache.read(layer)
+        stored.write(layer, 0, keys, values)
+        for exact, rows, out in zip((keys, values), stored.read(layer, cache.length), errors, strict=True):
+            heads = exact.reshape(-1, g.kv_heads, g.head_dim).astype(np.float64)
+            diff = rows.reshape(heads.shape) - heads
+            out.append((np.sqrt((diff**2).sum(axis=(0, 2)) / (heads**2).sum(axis=(0, 2)))).tolist())
+    stored.commit(cache.length)
+    return stored, *errors
+
+
 def attention_weights(query: np.ndarray, keys: np.ndarray, geometry: KVGeometry) -> np.ndarray:
     """softmax(q . k / sqrt(head_dim)) of each query head over all positions: [heads, length].
 
@@ -91,6 +109,7 @@ def build_report(
 ) -> dict[str, Any]:
     """Everything kv-inspect shows about a cache's contents, as plain data (the --json output)."""
     g = snapshot.geometry
+    keys, values = snapshot.float_rows()
     tokens = [{"pos": pos, "id": int(token_id)} for pos, token_id in enumerate(snapshot.token_ids)]
     if texts is not None:
         for token, text in zip(tokens, texts, strict=True):
@@ -103,16 +122,16 @@ def build_report(
         "heads": g.heads,
         "head_dim": g.head_dim,
         "kv_width": g.kv_width,
-        "dtype": str(snapshot.keys.dtype),
+        "dtype": snapshot.dtype,
         "k_after_rope": True,
         "length": snapshot.length,
         "capacity": capacity,
-        "bytes_per_token": g.nbytes(1, snapshot.keys.itemsize),
+        "bytes_per_token": element_type(snapshot.dtype).nbytes(g, 1),
         "bytes_used": snapshot.nbytes,
         "bytes_allocated": bytes_allocated,
         "tokens": tokens,
-        "key_norms": mean_norms(snapshot.keys, g.kv_heads),
-        "value_norms": mean_norms(snapshot.values, g.kv_heads),
+        "key_norms": mean_norms(keys, g.kv_heads),
+        "value_norms": mean_norms(values, g.kv_heads),
     }
 
 
@@ -123,6 +142,7 @@ def inspect_model(
     layer: int | None,
     max_context: int | None,
     status: Console | None,
+    dtype: str = DEFAULT_DTYPE,
 ) -> dict[str, Any]:
     """Load the model, fill a cache with the prompt and report on it (status: where to show progress)."""
     from inferno.engine import Engine
@@ -133,10 +153,15 @@ def inspect_model(
         raise InfernoError(f"--layer {layer} does not exist: the model has layers 0..{layers - 1}")
     tok = engine.tokenizer
     cache, ids, queries = fill_cache(engine, tok.encode(prompt), n_decode, max_context)
+    errors = None
+    if dtype != DEFAULT_DTYPE:
+        cache, *errors = requantized(cache, dtype)
     snapshot = Snapshot.from_cache(cache, ids, engine.config, engine.fingerprint)
     texts = [tok.token_text(token_id) for token_id in ids]
     report = {"model": str(model_path), "cache": cache.kind}
     report |= build_report(snapshot, cache.capacity, cache.nbytes, texts)
+    if errors is not None:
+        report["key_error"], report["value_error"] = errors
     if layer is not None:
         keys, _ = cache.read(layer)
         weights = attention_weights(queries[layer], keys, snapshot.geometry)
@@ -161,9 +186,11 @@ def split_args(args: tuple[str, ...]) -> tuple[Path | None, str]:
               help="Show the attention weights of the last query in layer L (0-based).")
 @click.option("--max-context", type=int, default=None,
               help="Tokens the cache is sized for (default: prompt + --decode).")
+@click.option("--kv-dtype", default=DEFAULT_DTYPE, show_default=True, metavar="TYPE",
+              help=f"Store the rows as {' | '.join(DTYPES)} and show what that loses per layer and KV head.")
 @click.option("--threads", type=int, default=None, help="Threads for the kernels (default: all cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-def command(args, n_decode, layer, max_context, threads, as_json):
+def command(args, n_decode, layer, max_context, kv_dtype, threads, as_json):
     """Show what a KV cache holds: geometry, fill, tokens, K/V norms, attention.
 
     \b
@@ -175,15 +202,18 @@ def command(args, n_decode, layer, max_context, threads, as_json):
     if max_context is not None and max_context < 1:
         raise InfernoError(f"--max-context must be at least 1, got {max_context}")
     set_threads(threads)
+    element_type(kv_dtype)
     if len(args) == 1 and is_snapshot_file(args[0]):
-        if n_decode or layer is not None or max_context is not None:
-            raise InfernoError("--decode, --layer and --max-context need a model, not a snapshot")
+        if n_decode or layer is not None or max_context is not None or kv_dtype != DEFAULT_DTYPE:
+            raise InfernoError("--decode, --layer, --max-context and --kv-dtype need a model, not a snapshot")
         snapshot = Snapshot.load(args[0])
         report = {"snapshot": args[0]} | build_report(snapshot, snapshot.length, snapshot.nbytes, None)
     else:
         model_path, prompt = split_args(args)
         status = None if as_json else console(stderr=True)
-        report = inspect_model(model_path or default_model(), prompt, n_decode, layer, max_context, status)
+        report = inspect_model(
+            model_path or default_model(), prompt, n_decode, layer, max_context, status, kv_dtype
+        )
     if as_json:
         click.echo(json.dumps(report))
     else:
@@ -230,6 +260,16 @@ def print_report(r: dict[str, Any]) -> None:
         heatmap(np.array(r["value_norms"]), layers, kv_heads, "{:6.2f}"),
     )
     out.print(grid)
+    if "key_error" in r:
+        out.print()
+        grid = Table.grid(padding=(0, 4))
+        grid.add_row(Text(f"K error of {r['dtype']}, % RMS", style="bold"),
+                     Text(f"V error of {r['dtype']}, % RMS", style="bold"))
+        grid.add_row(
+            heatmap(np.array(r["key_error"]) * 100, layers, kv_heads, "{:6.2f}"),
+            heatmap(np.array(r["value_error"]) * 100, layers, kv_heads, "{:6.2f}"),
+        )
+        out.print(grid)
     if "attention" in r:
         layer, pos = r["attention"]["layer"], r["attention"]["query_pos"]
         out.print()
