@@ -166,6 +166,18 @@ def attend_span(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: in
                 for j in range(head_dim):
                     acc += qh[j] * kh[j]
                 weights[h, s] = acc * scale
+    mix_span(weights, values, n_heads, out, stats)
+
+
+@njit(cache=True, fastmath=True)
+def mix_span(weights: np.ndarray, values: np.ndarray, n_heads: int, out: np.ndarray,
+             stats: np.ndarray) -> None:
+    """The second half of attend_span, given the span's scaled scores weights [heads, n_pos]: the
+    unnormalised softmax of each head's scores (and its stats) and the values mixed by it."""
+    n_pos, kv_width = values.shape
+    head_dim = out.shape[0] // n_heads
+    n_kv = kv_width // head_dim
+    group = n_heads // n_kv
     for h in range(n_heads):
         wh = weights[h, :n_pos]
         top = wh.max()

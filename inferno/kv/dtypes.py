@@ -9,8 +9,13 @@ the cache per step.
     f16      IEEE half
     q8_0     llama.cpp's q8_0: blocks of 32 values along head_dim, int8 and an f16 scale (8.5 bits)
     q4_0     llama.cpp's q4_0: blocks of 32, 4-bit and an f16 scale (4.5 bits)
-    q4_0h    q4_0 blocks of Hadamard-rotated heads (4.5 bits): same bytes per row as q4_0, much
-             closer to the float cache because a key's few huge channels no longer set every scale
+    q4_0h    q4_0 blocks of Hadamard-rotated heads (4.5 bits): same bytes per row as q4_0, closer
+             to the float cache because a key's few huge channels no longer set every scale
+    q4_kivi  KIVI: keys in 4 bits per channel over groups of 64 positions (an f16 scale and minimum
+             each), values as q4_0h; the open group's rows in f16 until it is full (`inferno.kv.kivi`)
+
+Where rows are kept is the element type's too (`make_store`): a row type's are [layers, capacity,
+row] buffers; q4_kivi's group keys by channel, so a layout asks the element type for its store.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ import numpy as np
 
 from inferno import kernels
 from inferno.errors import InfernoError
-from inferno.kv import blocks
+from inferno.kv import blocks, kivi
 from inferno.kv.geometry import KVGeometry
+from inferno.kv.memory import lazy_zeros
 
 F32 = "f32"
 
@@ -94,6 +100,64 @@ class ElementType:
         return blocks.attention_decode_rows(query, keys, values, geometry.heads, self.fmt, self.rotate)
 
 
+    def make_store(self, geometry: KVGeometry, capacity: int) -> RowStore:
+        """Buffers for `capacity` tokens of every layer, in this element type."""
+        return RowStore(self, geometry, capacity)
+
+
+class RowStore:
+    """K and V of [layers, capacity, row] in one element type: each position's row on its own."""
+
+    def __init__(self, dtype: ElementType, geometry: KVGeometry, capacity: int):
+        self.dtype, self.geometry = dtype, geometry
+        shape = (geometry.layers, capacity, dtype.row_items(geometry))
+        self.keys = lazy_zeros(shape, dtype.storage)
+        self.values = lazy_zeros(shape, dtype.storage)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def write(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
+        g = self.geometry
+        self.write_stored(layer, pos, self.dtype.encode(k, g), self.dtype.encode(v, g))
+
+    def write_stored(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
+        self.keys[layer, pos : pos + k.shape[0]] = k
+        self.values[layer, pos : pos + v.shape[0]] = v
+
+    def stored(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.keys[layer, :end], self.values[layer, :end]
+
+    def read(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        keys, values = self.stored(layer, end)
+        return self.dtype.decode(keys, self.geometry), self.dtype.decode(values, self.geometry)
+
+    def attend(self, layer: int, query: np.ndarray, end: int) -> np.ndarray:
+        keys, values = self.stored(layer, end)
+        return self.dtype.attend(query, keys, values, self.geometry)
+
+    def clear(self) -> None:
+        pass  # stale rows past the cache's length are never read
+
+
+@dataclass(frozen=True)
+class KiviType(ElementType):
+    """q4_kivi. Snapshots hold its rows as float32 (its keys have no per-position form), which it
+    encodes again on loading; its size is the store's: groups, plus the open group in f16."""
+
+    def row_items(self, geometry: KVGeometry) -> int:
+        ElementType("q4_0h", blocks.BLOCK, 18, blocks.FMT_Q4_0, rotate=True).row_items(geometry)  # its values
+        return geometry.kv_width
+
+    def nbytes(self, geometry: KVGeometry, tokens: int) -> int:
+        return kivi.planned_nbytes(geometry, tokens)
+
+    def make_store(self, geometry: KVGeometry, capacity: int) -> kivi.KiviStore:
+        self.row_items(geometry)
+        return kivi.KiviStore(geometry, capacity)
+
+
 DTYPES: dict[str, ElementType] = {
     t.name: t
     for t in (
@@ -102,6 +166,7 @@ DTYPES: dict[str, ElementType] = {
         ElementType("q8_0", blocks.BLOCK, 34, blocks.FMT_Q8_0),
         ElementType("q4_0", blocks.BLOCK, 18, blocks.FMT_Q4_0),
         ElementType("q4_0h", blocks.BLOCK, 18, blocks.FMT_Q4_0, rotate=True),
+        KiviType("q4_kivi", kivi.GROUP, kivi.GROUP // 2 + 4, None, rotate=True),
     )
 }
 
