@@ -31,7 +31,7 @@ def default_text() -> tuple[str, str]:
 @dataclass
 class Fidelity:
     dtype: str
-    bits_per_value: float
+    bits_per_value: float  # the cache's bytes over the values it was sized for (scales, open groups included)
     cache_bytes: int
     top1_agreement: float  # share of positions whose most likely next token is the float cache's
     kl_mean: float  # mean over positions of KL(float || this), in nats
@@ -83,7 +83,7 @@ def measure(
     return [
         Fidelity(
             dtype=name,
-            bits_per_value=element_type(name).bits_per_value,
+            bits_per_value=8 * cache.nbytes / (2 * geometry.layers * cache.capacity * geometry.kv_width),
             cache_bytes=cache.nbytes,
             top1_agreement=agree[i] / n,
             kl_mean=kl_sum[i] / n,

@@ -83,7 +83,7 @@ def test_rotated_q4_0_error_is_bounded_per_head_and_smaller_than_q4_0_where_chan
     assert np.linalg.norm(error[smooth]) < 0.5 * np.linalg.norm(plain_error[smooth])
 
 
-@pytest.mark.parametrize("name", [d for d in DTYPES if d != "f32"])
+@pytest.mark.parametrize("name", [d for d in DTYPES if d not in ("f32", "q4_kivi")])
 def test_attention_reads_the_stored_rows_as_their_decoded_floats(name):
     t = element_type(name)
     rng = np.random.default_rng(1)
@@ -93,6 +93,30 @@ def test_attention_reads_the_stored_rows_as_their_decoded_floats(name):
     ours = t.attend(query, k, v, GEOMETRY)
     floats = attention_decode(query, t.decode(k, GEOMETRY), t.decode(v, GEOMETRY), GEOMETRY.heads)
     np.testing.assert_allclose(ours, floats, rtol=1e-4, atol=1e-4 * np.abs(floats).max())
+
+
+def test_kivi_rounds_whole_groups_per_channel_and_attends_on_them():
+    """Written row by row past two groups: the groups' keys come back within half a step of their
+    channel (its range / 15 / 2), the open rows within f16's rounding, and attention on the codes
+    equals attention over the decoded rows."""
+    rng = np.random.default_rng(4)
+    keys = (rng.standard_normal((150, GEOMETRY.kv_width)) + 20 * rng.standard_normal(GEOMETRY.kv_width))
+    keys, values = keys.astype(np.float32), key_like_rows(150, 5)
+    cache = make_cache("prealloc", GEOMETRY, 200, "q4_kivi")
+    for layer in range(GEOMETRY.layers):
+        cache.write(layer, 0, keys[:100], values[:100])
+        for pos in range(100, 150):
+            cache.write(layer, pos, keys[pos : pos + 1], values[pos : pos + 1])
+    cache.commit(150)
+    k, v = cache.read(1)
+    for start in (0, 64):
+        group = keys[start : start + 64]
+        step = (group.max(axis=0) - group.min(axis=0)) / 15
+        assert (np.abs(k[start : start + 64] - group) <= step * 0.51 + np.abs(group) * 2.0**-10).all()
+    np.testing.assert_allclose(k[128:], keys[128:], rtol=2.0**-11)
+    query = rng.standard_normal(GEOMETRY.heads * GEOMETRY.head_dim).astype(np.float32)
+    floats = attention_decode(query, k, v, GEOMETRY.heads)
+    np.testing.assert_allclose(cache.attend(1, query, 150), floats, rtol=1e-4, atol=1e-5)
 
 
 def every_kind_and_dtype():
@@ -106,8 +130,13 @@ def test_planned_bytes_are_what_the_cache_allocates(kind, dtype):
         cache.write(layer, 0, key_like_rows(50), key_like_rows(50, 1))
     cache.commit(50)
     assert cache.nbytes == planned_nbytes(kind, GEOMETRY, 50, dtype)
-    bits = {"f32": 32, "f16": 16, "q8_0": 8.5, "q4_0": 4.5, "q4_0h": 4.5}[dtype]
-    assert cache.nbytes == 2 * GEOMETRY.layers * 50 * GEOMETRY.kv_width * bits / 8
+    if dtype == "q4_kivi":  # no whole group of 64 yet: all 50 rows wait in f16 (the open group holds 64)
+        assert cache.nbytes == 2 * GEOMETRY.layers * 64 * GEOMETRY.kv_width * 2
+        assert planned_nbytes(kind, GEOMETRY, 6400, dtype) == 2 * GEOMETRY.layers * GEOMETRY.kv_width * (
+            6400 * 4.5 / 8 + 64 * 2)
+    else:
+        bits = {"f32": 32, "f16": 16, "q8_0": 8.5, "q4_0": 4.5, "q4_0h": 4.5}[dtype]
+        assert cache.nbytes == 2 * GEOMETRY.layers * 50 * GEOMETRY.kv_width * bits / 8
 
 
 def test_unknown_or_unsupported_element_types_are_refused():
@@ -185,9 +214,9 @@ def test_fidelity_on_english_text(engine):
     from inferno.fidelity import measure
 
     ids = engine.tokenizer.encode((FIXTURES / "execution_model.txt").read_text())[:128]
-    rows = {r.dtype: r for r in measure(engine.model, ids, ["f16", "q8_0", "q4_0", "q4_0h"])}
+    rows = {r.dtype: r for r in measure(engine.model, ids, ["f16", "q8_0", "q4_0", "q4_0h", "q4_kivi"])}
     assert rows["f32"].kl_mean == 0 and rows["f32"].top1_agreement == 1
     assert rows["f16"].kl_mean < 1e-5
     assert rows["q8_0"].kl_mean <= 5e-4 and rows["q8_0"].top1_agreement >= 0.97
-    assert rows["q4_0h"].kl_mean <= 0.02 and rows["q4_0h"].top1_agreement >= 0.95
-    assert rows["q4_0"].kl_mean > 2 * rows["q4_0h"].kl_mean  # what the rotation buys
+    assert rows["q4_kivi"].kl_mean <= 0.02 and rows["q4_kivi"].top1_agreement >= 0.95
+    assert rows["q4_0"].kl_mean > rows["q4_0h"].kl_mean > 2 * rows["q4_kivi"].kl_mean
