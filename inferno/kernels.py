@@ -178,15 +178,7 @@ def mix_span(weights: np.ndarray, values: np.ndarray, n_heads: int, out: np.ndar
     head_dim = out.shape[0] // n_heads
     n_kv = kv_width // head_dim
     group = n_heads // n_kv
-    for h in range(n_heads):
-        wh = weights[h, :n_pos]
-        top = wh.max()
-        total = np.float32(0.0)
-        for s in range(n_pos):
-            wh[s] = exp_f32(wh[s] - top)
-            total += wh[s]
-        stats[h, 0] = top
-        stats[h, 1] = total
+    softmax_span(weights, n_pos, stats)
     out[:] = 0.0
     for s in range(n_pos):
         for g in range(n_kv):
@@ -196,6 +188,20 @@ def mix_span(weights: np.ndarray, values: np.ndarray, n_heads: int, out: np.ndar
                 oh = out[h * head_dim : (h + 1) * head_dim]
                 for j in range(head_dim):
                     oh[j] += w * vh[j]
+
+
+@njit(cache=True, fastmath=True)
+def softmax_span(weights: np.ndarray, n_pos: int, stats: np.ndarray) -> None:
+    """exp(score - max) of each head's first n_pos scores in place, stats[h] = (max, sum)."""
+    for h in range(weights.shape[0]):
+        wh = weights[h, :n_pos]
+        top = wh.max()
+        total = np.float32(0.0)
+        for s in range(n_pos):
+            wh[s] = exp_f32(wh[s] - top)
+            total += wh[s]
+        stats[h, 0] = top
+        stats[h, 1] = total
 
 
 @njit(cache=True, fastmath=True, parallel=True)
