@@ -22,16 +22,14 @@ def bench(engine, prompt_ids: list[int], new_tokens: int, modes: tuple[str, ...]
     """Run each mode, and each kind with each element type it holds, on the same prompt (greedy, no
     early stop); their metrics and token ids, under `mode` or `mode/dtype` when several dtypes run."""
     from inferno.generate import generate
-    from inferno.kv import make_cache
     from inferno.sampling import Sampler
 
     results = {}
     for mode in modes:
         for dtype in (None,) if mode == "off" else [d for d in dtypes if d in KINDS[mode].dtypes]:
             label = mode if dtype is None or dtypes == (DEFAULT_DTYPE,) else f"{mode}/{dtype}"
-            cache = engine.make_cache(None if mode == "off" else mode, len(prompt_ids), new_tokens)
-            if dtype is not None:
-                cache = make_cache(mode, cache.geometry, cache.capacity, dtype)
+            kind = None if mode == "off" else mode
+            cache = engine.make_cache(kind, len(prompt_ids), new_tokens, dtype=dtype or DEFAULT_DTYPE)
             done = generate(engine.model, prompt_ids, new_tokens, Sampler(), cache=cache)
             results[label] = {"token_ids": done.token_ids, "metrics": done.metrics.to_json()}
     return results
