@@ -221,3 +221,17 @@ def test_fidelity_on_english_text(engine):
     assert rows["q8_0"].kl_mean <= 1e-3 and rows["q8_0"].top1_agreement >= 0.97
     assert rows["q4_kivi"].kl_mean <= 0.02 and rows["q4_kivi"].top1_agreement >= 0.95
     assert rows["q4_0"].kl_mean > rows["q4_0h"].kl_mean > 2 * rows["q4_kivi"].kl_mean
+
+
+def test_kv_bench_fidelity_json_and_bad_element_types(run_main, model_path):
+    from inferno.cli.kv_bench import main
+
+    code, out, err = run_main(main, "kv-bench", str(model_path), "--fidelity", "--kv-dtype", "q8_0",
+                              "--tokens", "8", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["tokens"] == 8 and "pydoc_data" in report["text"]
+    assert [r["dtype"] for r in report["rows"]] == ["f32", "q8_0"]
+    assert report["rows"][1]["bits_per_value"] == 8.5
+    code, _, err = run_main(main, "kv-bench", str(model_path), "--fidelity", "--kv-dtype", "q3")
+    assert code == 2 and err.count("\n") == 1 and "unknown element type q3" in err
