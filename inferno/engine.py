@@ -20,7 +20,7 @@ from inferno.config import ModelConfig
 from inferno.errors import InfernoError
 from inferno.generate import Generation, stream_generate
 from inferno.gguf_file import open_gguf
-from inferno.kv import KVCache, cache_class, make_cache
+from inferno.kv import DEFAULT_DTYPE, KVCache, cache_class, make_cache
 from inferno.metrics import RunRecord, Startup
 from inferno.model import Transformer
 from inferno.quant import MATMUL_MIN_ROWS
@@ -60,13 +60,15 @@ class Engine:
         return cls(model, tokenizer, startup, fingerprint, str(path))
 
     def make_cache(
-        self, kind: str | None, prompt_tokens: int, new_tokens: int, max_context: int | None = None, **options
+        self, kind: str | None, prompt_tokens: int, new_tokens: int, max_context: int | None = None,
+        dtype: str = DEFAULT_DTYPE, **options
     ) -> KVCache | None:
         """The cache for a request (None: no cache), refusing before any work a request that cannot fit.
 
-        options: the kind's own (window: `window`, `sinks`, `positions`; paged: `block_size`). A kind
-        that evicts holds what it can and runs past the model's context in its sliding layers; its
-        global layers, if any, hold up to --max-context (default: the model's context).
+        dtype: the element type of its rows (`inferno.kv.dtypes`); options: the kind's own (window:
+        `window`, `sinks`, `positions`; paged: `block_size`). A kind that evicts holds what it can and
+        runs past the model's context in its sliding layers; its global layers, if any, hold up to
+        --max-context (default: the model's context).
         """
         context = self.config.context_length
         needed = prompt_tokens + new_tokens
@@ -79,7 +81,7 @@ class Engine:
                     f"a cache of {capacity} tokens is more than the model's context of {context}"
                 )
             rotary = self.model.layer_rotary
-            cache = make_cache(kind, self.config.kv_geometry, capacity, rotary=rotary, **options)
+            cache = make_cache(kind, self.config.kv_geometry, capacity, dtype, rotary=rotary, **options)
             if None in cache.geometry.windows and needed > capacity:
                 raise InfernoError(
                     f"prompt of {prompt_tokens} tokens + {new_tokens} new tokens = {needed}, more than the "
@@ -91,6 +93,8 @@ class Engine:
                 f"prompt of {prompt_tokens} tokens is longer than the model's context of {context}"
             )
         if kind is None:
+            if dtype != DEFAULT_DTYPE:
+                raise InfernoError(f"a {dtype} element type needs a KV cache, and none was asked for")
             if needed > context:
                 raise InfernoError(
                     f"prompt of {prompt_tokens} tokens + {new_tokens} new tokens = {needed}, "
@@ -107,7 +111,7 @@ class Engine:
                 f"prompt of {prompt_tokens} tokens + {new_tokens} new tokens = {needed}, "
                 f"more than the cache's {capacity} tokens"
             )
-        return make_cache(kind, self.config.kv_geometry, capacity, **options)
+        return make_cache(kind, self.config.kv_geometry, capacity, dtype, **options)
 
     # -- the Python API ------------------------------------------------------------------------
 
@@ -121,6 +125,7 @@ class Engine:
         max_new_tokens: int,
         kv: str | None = "prealloc",
         sampler: Sampler | None = None,
+        kv_dtype: str = DEFAULT_DTYPE,
         max_context: int | None = None,
         cache: KVCache | None = None,
         ignore_eos: bool = False,
@@ -129,10 +134,12 @@ class Engine:
         """stream_generate on this model: the same live Generation after each new token.
 
         cache: a cache already holding a prefix of prompt_ids (a loaded snapshot); else one of kind
-        `kv` is made for the request (None: no cache, the naive path) with cache_options (`window=256`).
+        `kv` with rows of element type `kv_dtype` is made for the request (None: no cache, the naive path)
+        with cache_options (`window=256`).
         """
         if cache is None:
-            cache = self.make_cache(kv, len(prompt_ids), max_new_tokens, max_context, **cache_options)
+            cache = self.make_cache(kv, len(prompt_ids), max_new_tokens, max_context, kv_dtype,
+                                    **cache_options)
         is_stop = (lambda _: False) if ignore_eos else self.tokenizer.is_stop
         return stream_generate(self.model, prompt_ids, max_new_tokens, sampler or Sampler(), cache, is_stop)
 

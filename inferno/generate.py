@@ -44,6 +44,7 @@ def stream_generate(
     metrics = Metrics(prompt_tokens=len(ids), prefilled_tokens=len(ids) - start)
     if cache is not None:
         metrics.cache, metrics.cache_capacity = cache.kind, cache.capacity
+        metrics.cache_dtype = cache.dtype.name
     generation = Generation(list(prompt_ids), [], metrics)
 
     def timed(forward: Callable[..., np.ndarray], *args) -> np.ndarray:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from inferno.errors import InfernoError
-from inferno.kv import KVCache, KVGeometry, make_cache
+from inferno.kv import DEFAULT_DTYPE, KVCache, KVGeometry, make_cache
 from inferno.snapshot import Snapshot
 
 if TYPE_CHECKING:
@@ -47,9 +47,10 @@ def fill_cache(
 
 def cache_of(snapshot: Snapshot) -> KVCache:
     """The snapshot's rows in a cache of its length, to be inspected like a live one."""
-    cache = make_cache(INSPECTED_KIND, snapshot.geometry, snapshot.length)
+    geometry = replace(snapshot.geometry, windows=())  # rows as saved, read whole
+    cache = make_cache(INSPECTED_KIND, geometry, snapshot.length, snapshot.dtype)
     for layer in range(snapshot.geometry.layers):
-        cache.write(layer, 0, snapshot.keys[layer], snapshot.values[layer])
+        cache.write_stored(layer, 0, snapshot.keys[layer], snapshot.values[layer])
     cache.commit(snapshot.length)
     return cache
 
@@ -100,7 +101,7 @@ def build_report(
     if len(token_ids) != cache.length:
         raise ValueError(f"{len(token_ids)} token ids for a cache of {cache.length} tokens")
     g = cache.geometry
-    dtype = cache.read(0)[0].dtype
+    dtype = cache.dtype
     positions = range(cache.length) if positions is None else positions
     tokens: list[dict[str, Any]] = [
         {"pos": int(pos), "id": int(token)} for pos, token in zip(positions, token_ids, strict=True)
@@ -117,12 +118,12 @@ def build_report(
         "heads": g.heads,
         "head_dim": g.head_dim,
         "kv_width": g.kv_width,
-        "dtype": str(dtype),
+        "dtype": dtype.name,
         "k_after_rope": True,
         "length": cache.length,
         "capacity": cache.capacity,
-        "bytes_per_token": g.nbytes(1, dtype.itemsize),
-        "bytes_used": g.nbytes(cache.length, dtype.itemsize),
+        "bytes_per_token": dtype.nbytes(g, 1),
+        "bytes_used": dtype.nbytes(g, cache.length),
         "bytes_allocated": cache.nbytes,
         "tokens": tokens,
         "key_norms": key_norms,
@@ -138,11 +139,15 @@ def inspect_snapshot(snapshot: Snapshot) -> dict[str, Any]:
 
 def inspect_prompt(
     engine: Engine, prompt_ids: Sequence[int], n_decode: int = 0, layer: int | None = None,
-    max_context: int | None = None, kind: str = INSPECTED_KIND, **options,
+    max_context: int | None = None, kind: str = INSPECTED_KIND, dtype: str = DEFAULT_DTYPE, **options,
 ) -> dict[str, Any]:
     """The report of a cache of `kind` filled with the prompt and n_decode greedy tokens; with `layer`,
-    also the attention weights of that layer's last query."""
+    also the attention weights of that layer's last query. With `dtype`, the float rows are stored in
+    that element type and the report says what it loses (`key_error`, `value_error`)."""
     cache, ids, queries = fill_cache(engine, prompt_ids, n_decode, max_context, kind, **options)
+    errors = None
+    if dtype != DEFAULT_DTYPE:
+        cache, *errors = requantized(cache, dtype)
     if cache.evicts:
         held, view = held_view(cache)
     else:
@@ -151,6 +156,8 @@ def inspect_prompt(
     report = {"cache": cache.kind}
     report |= build_report(view, [ids[pos] for pos in held], engine.config.architecture, engine.fingerprint,
                            texts, held)
+    if errors is not None:
+        report["key_error"], report["value_error"] = errors
     if cache.evicts:
         report |= {"length": cache.length, "bytes_allocated": cache.nbytes, "window": window_report(cache)}
     if layer is not None:
@@ -160,6 +167,25 @@ def inspect_prompt(
             weights = attention_weights(cache, layer, queries[layer])
         report["attention"] = {"layer": layer, "query_pos": len(ids) - 1, "weights": weights.tolist()}
     return report
+
+
+def requantized(cache: KVCache, dtype: str) -> tuple[KVCache, list[list[float]], list[list[float]]]:
+    """The float cache's committed rows stored as `dtype` in a prealloc cache, and what that loses:
+    the relative RMS error ||stored - float|| / ||float|| of K and of V, per layer and KV head."""
+    if cache.evicts:
+        raise InfernoError("kv-inspect stores a window cache's rows as float32 only")
+    g = cache.geometry
+    stored = make_cache(INSPECTED_KIND, g, cache.capacity, dtype)
+    errors: tuple[list, list] = ([], [])
+    for layer in range(g.layers):
+        keys, values = cache.read(layer)
+        stored.write(layer, 0, keys, values)
+        for exact, rows, out in zip((keys, values), stored.read(layer, cache.length), errors, strict=True):
+            heads = exact.reshape(-1, g.kv_heads, g.head_dim).astype(np.float64)
+            diff = rows.reshape(heads.shape) - heads
+            out.append(np.sqrt((diff**2).sum(axis=(0, 2)) / (heads**2).sum(axis=(0, 2))).tolist())
+    stored.commit(cache.length)
+    return stored, *errors
 
 
 def held_view(cache: KVCache) -> tuple[list[int], KVCache]:

@@ -190,15 +190,19 @@ def attend_span(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: in
                 for j in range(head_dim):
                     acc += qh[j] * kh[j]
                 weights[h, s] = acc * scale
-    for h in range(n_heads):
-        wh = weights[h, :n_pos]
-        top = wh.max()
-        total = np.float32(0.0)
-        for s in range(n_pos):
-            wh[s] = exp_f32(wh[s] - top)
-            total += wh[s]
-        stats[h, 0] = top
-        stats[h, 1] = total
+    mix_span(weights, values, n_heads, out, stats)
+
+
+@njit(cache=True, fastmath=True)
+def mix_span(weights: np.ndarray, values: np.ndarray, n_heads: int, out: np.ndarray,
+             stats: np.ndarray) -> None:
+    """The second half of attend_span, given the span's scaled scores weights [heads, n_pos]: the
+    unnormalised softmax of each head's scores (and its stats) and the values mixed by it."""
+    n_pos, kv_width = values.shape
+    head_dim = out.shape[0] // n_heads
+    n_kv = kv_width // head_dim
+    group = n_heads // n_kv
+    softmax_span(weights, n_pos, stats)
     out[:] = 0.0
     for s in range(n_pos):
         for g in range(n_kv):
@@ -210,6 +214,20 @@ def attend_span(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: in
                     oh[j] += w * vh[j]
 
 
+@njit(cache=True, fastmath=True)
+def softmax_span(weights: np.ndarray, n_pos: int, stats: np.ndarray) -> None:
+    """exp(score - max) of each head's first n_pos scores in place, stats[h] = (max, sum)."""
+    for h in range(weights.shape[0]):
+        wh = weights[h, :n_pos]
+        top = wh.max()
+        total = np.float32(0.0)
+        for s in range(n_pos):
+            wh[s] = exp_f32(wh[s] - top)
+            total += wh[s]
+        stats[h, 0] = top
+        stats[h, 1] = total
+
+
 @njit(cache=True, fastmath=True, parallel=True)
 def attention_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: int) -> np.ndarray:
     """One query token against every cached position, grouped-query heads; no mask is needed.
@@ -219,7 +237,6 @@ def attention_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_head
     partial softmaxes are then rescaled to the global maximum and summed.
     """
     n_pos = keys.shape[0]
-    head_dim = q.shape[0] // n_heads
     n_spans = (n_pos + DECODE_SPAN - 1) // DECODE_SPAN
     partial = np.empty((n_spans, q.shape[0]), np.float32)
     stats = np.empty((n_spans, n_heads, 2), np.float32)
@@ -227,7 +244,16 @@ def attention_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_head
         s0, s1 = c * DECODE_SPAN, min((c + 1) * DECODE_SPAN, n_pos)
         weights = np.empty((n_heads, s1 - s0), np.float32)
         attend_span(q, keys[s0:s1], values[s0:s1], n_heads, weights, partial[c], stats[c])
-    out = np.zeros_like(q)
+    return combine_spans(partial, stats, n_heads)
+
+
+@njit(cache=True, fastmath=True)
+def combine_spans(partial: np.ndarray, stats: np.ndarray, n_heads: int) -> np.ndarray:
+    """The attention output from spans' unnormalised parts partial [spans, heads * head_dim] and their
+    stats [spans, heads, (max score, sum of exp)]: each rescaled to the global maximum, summed, normalised."""
+    n_spans, width = partial.shape
+    head_dim = width // n_heads
+    out = np.zeros(width, np.float32)
     for h in range(n_heads):
         top = stats[0, h, 0]
         for c in range(1, n_spans):

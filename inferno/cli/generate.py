@@ -12,7 +12,7 @@ import click
 
 from inferno.cli.common import blame, console, default_model, looks_like_model, progress_on, run, set_threads
 from inferno.errors import InfernoError
-from inferno.kv import KINDS
+from inferno.kv import DEFAULT_DTYPE, DTYPES, KINDS
 from inferno.kv.window import POSITIONS
 
 PROG = "model-generate"
@@ -74,6 +74,8 @@ def _optional_values(argv: list[str]) -> list[str]:
 @click.argument("args", nargs=-1, metavar="[MODEL.gguf] PROMPT [MAX_NEW_TOKENS]")
 @click.option("--kv", "kv", default=None, metavar="MODE",
               help=f"KV cache: {' | '.join(KINDS)} (--kv alone: basic). Without it: no cache.")
+@click.option("--kv-dtype", default=DEFAULT_DTYPE, show_default=True, metavar="TYPE",
+              help=f"Element type of the cache rows: {' | '.join(DTYPES)} (quantized: --kv prealloc).")
 @click.option("--max-context", type=int, default=None,
               help="Tokens the cache is sized for (default: prompt + new tokens; window: the context).")
 @click.option("--block-size", type=int, default=None,
@@ -107,7 +109,7 @@ def _optional_values(argv: list[str]) -> list[str]:
               help="After the run, save the KV cache to FILE as a snapshot (without --kv: prealloc).")
 @click.option("--load-cache", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Start from a snapshot: only the prompt past its tokens is prefilled.")
-def command(args, kv, max_context, block_size, num_samples, batch_file, max_batch, window, sinks,
+def command(args, kv, kv_dtype, max_context, block_size, num_samples, batch_file, max_batch, window, sinks,
             window_positions, chat, temperature, top_k, top_p, seed, ignore_eos, prompt_file, threads,
             log_tokens, as_json, save_cache, load_cache):
     """Generate text with a GGUF model on the CPU and report per-forward timings.
@@ -138,8 +140,8 @@ def command(args, kv, max_context, block_size, num_samples, batch_file, max_batc
         raise InfernoError("--window, --sinks and --window-positions apply to --kv window")
     if save_cache and load_cache and Path(save_cache).resolve() == Path(load_cache).resolve():
         raise InfernoError("--save-cache names the --load-cache file, which is never modified: give another")
-    if (save_cache or load_cache) and kv is None:
-        kv = "prealloc"  # a snapshot is a cache's contents: there must be a cache
+    if (save_cache or load_cache or kv_dtype != DEFAULT_DTYPE) and kv is None:
+        kv = "prealloc"  # a snapshot is a cache's contents, an element type a cache's: there must be a cache
     from inferno.sampling import Sampler
 
     sampler = Sampler(temperature, top_k, top_p, seed)
@@ -165,7 +167,7 @@ def command(args, kv, max_context, block_size, num_samples, batch_file, max_batc
     prompt_ids = engine.tokenizer.encode(text)
     with blame("--max-context", max_context):
         options = window_options | ({"block_size": block_size} if block_size else {})
-        cache = engine.make_cache(kv, len(prompt_ids), max_new, max_context, **options)
+        cache = engine.make_cache(kv, len(prompt_ids), max_new, max_context, kv_dtype, **options)
     load_cache_ms = None
     if load_cache:
         t = perf_counter()

@@ -25,7 +25,8 @@ from inferno.cli.generate import cache_options
 from inferno.errors import InfernoError
 from inferno.gguf_file import GGUF_MAGIC
 from inferno.inspect import inspect_prompt, inspect_snapshot
-from inferno.kv import DEFAULT_KIND, KINDS
+from inferno.kv import DEFAULT_DTYPE, DEFAULT_KIND, DTYPES, KINDS
+from inferno.kv.dtypes import element_type
 from inferno.kv.window import POSITIONS
 from inferno.snapshot import Snapshot
 
@@ -53,6 +54,7 @@ def inspect_model(
     max_context: int | None,
     status: Console | None,
     kind: str = DEFAULT_KIND,
+    dtype: str = DEFAULT_DTYPE,
     **options,
 ) -> dict[str, Any]:
     """Load the model, fill a cache with the prompt and report on it (status: where to show progress)."""
@@ -64,7 +66,7 @@ def inspect_model(
         raise InfernoError(f"--layer {layer} does not exist: the model has layers 0..{layers - 1}")
     with blame("--max-context", max_context):
         report = inspect_prompt(engine, engine.tokenizer.encode(prompt), n_decode, layer, max_context, kind,
-                                **options)
+                                dtype, **options)
     return {"model": str(model_path)} | report
 
 
@@ -91,9 +93,12 @@ def split_args(args: tuple[str, ...]) -> tuple[Path | None, str]:
 @click.option("--sinks", type=int, default=None, metavar="S", help="--kv window: first positions kept.")
 @click.option("--window-positions", type=click.Choice(POSITIONS), default=None,
               help="--kv window: shift or original.")
+@click.option("--kv-dtype", default=DEFAULT_DTYPE, show_default=True, metavar="TYPE",
+              help=f"Store the rows as {' | '.join(DTYPES)} and show what that loses per layer and KV head.")
 @click.option("--threads", type=int, default=None, help="Threads for the kernels (default: all cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-def command(args, n_decode, layer, max_context, kind, window, sinks, window_positions, threads, as_json):
+def command(args, n_decode, layer, max_context, kind, window, sinks, window_positions, kv_dtype, threads,
+            as_json):
     """Show what a KV cache holds: geometry, fill, tokens, K/V norms, attention.
 
     \b
@@ -105,6 +110,7 @@ def command(args, n_decode, layer, max_context, kind, window, sinks, window_posi
     if max_context is not None and max_context < 1:
         raise InfernoError(f"--max-context must be at least 1, got {max_context}")
     set_threads(threads)
+    element_type(kv_dtype)
     if len(args) == 1 and is_snapshot_file(args[0]):
         if n_decode or layer is not None or max_context is not None:
             raise InfernoError("--decode, --layer and --max-context need a model, not a snapshot")
@@ -114,7 +120,7 @@ def command(args, n_decode, layer, max_context, kind, window, sinks, window_posi
         status = None if as_json else console(stderr=True)
         options = cache_options(window, sinks, window_positions)
         report = inspect_model(model_path or default_model(), prompt, n_decode, layer, max_context, status,
-                               kind, **options)
+                               kind, kv_dtype, **options)
     if as_json:
         click.echo(json.dumps(report))
     else:
@@ -165,6 +171,16 @@ def print_report(r: dict[str, Any]) -> None:
         heatmap(np.array(r["value_norms"]), layers, kv_heads, "{:6.2f}"),
     )
     out.print(grid)
+    if "key_error" in r:
+        out.print()
+        grid = Table.grid(padding=(0, 4))
+        grid.add_row(Text(f"K error of {r['dtype']}, % RMS", style="bold"),
+                     Text(f"V error of {r['dtype']}, % RMS", style="bold"))
+        grid.add_row(
+            heatmap(np.array(r["key_error"]) * 100, layers, kv_heads, "{:6.2f}"),
+            heatmap(np.array(r["value_error"]) * 100, layers, kv_heads, "{:6.2f}"),
+        )
+        out.print(grid)
     if "attention" in r:
         layer, pos = r["attention"]["layer"], r["attention"]["query_pos"]
         out.print()

@@ -129,6 +129,9 @@ class Fraction(click.ParamType):
     show_default=True,
     help="Element type of the cache; q8_0 and q4_0 count their scales.",
 )
+@click.option("--kv", "kv_kind", metavar="KIND",
+              help="Size what inferno allocates for this cache kind (with --model): its exact bytes.")
+@click.option("--kv-dtype", metavar="TYPE", help="Element type of that cache's rows (default: f32).")
 @click.option("--sliding-window", type=POSITIVE, metavar="TOKENS", help="Most tokens a sliding layer holds.")
 @click.option("--sliding-layers", metavar="LIST", help="Which layers slide: 0-4,6-10 (0-based) or all.")
 @click.option(
@@ -174,6 +177,8 @@ def command(
     contexts: tuple[str, ...],
     batch: int,
     dtype: str,
+    kv_kind: str | None,
+    kv_dtype: str | None,
     sliding_window: int | None,
     sliding_layers: str | None,
     sliding_pattern: int | None,
@@ -232,6 +237,8 @@ def command(
     grouped = heads is not None or shape.heads != shape.kv_heads
     show_mha = not shape.mla and shape.heads is not None and grouped
     report = build_report(shape, kv_type, context_list, batch, budget_bytes, show_mha)
+    if kv_kind is not None or kv_dtype is not None:
+        runtime_bytes(report, model_path, kv_kind or "prealloc", kv_dtype or "f32")
     if model is not None:
         report["model"] = {
             "file": Path(model_path or config_path).name,
@@ -362,6 +369,26 @@ def build_report(
         # The batch that fits every context asked about: the one at the longest context.
         report["max_batch"] = min(row["max_batch"] for row in rows)
     return report
+
+
+def runtime_bytes(report: dict[str, Any], model_path: str | None, kind: str, dtype: str) -> None:
+    """Replace the report's bytes with what `model-generate --kv kind --kv-dtype dtype --max-context N`
+    allocates for this model: the cache's own planned_nbytes, so the two always agree."""
+    from inferno.config import ModelConfig
+    from inferno.gguf_file import open_gguf
+    from inferno.kv import planned_nbytes
+
+    if model_path is None:
+        raise InfernoError("--kv and --kv-dtype size inferno's cache of a model: give --model FILE.gguf")
+    geometry = ModelConfig.from_gguf(open_gguf(model_path)).kv_geometry
+    per_token = planned_nbytes(kind, geometry, 1, dtype)
+    report |= {"kv": kind, "dtype": dtype, "bytes_per_token": per_token,
+               "bytes_per_token_per_layer": per_token // geometry.layers}
+    report.pop("heads", None)  # the multi-head comparison is the formula's, not this cache's
+    for row in report["rows"]:
+        row.pop("mha_bytes", None)
+        row["dtype"] = dtype
+        row["bytes"] = planned_nbytes(kind, geometry, row["context"], dtype) * row["batch"]
 
 
 def _scalar(values: tuple[int, ...]) -> int | list[int]:

@@ -1,11 +1,13 @@
 """The KV cache family: the protocol (`base`), one module per kind, and this factory, the only place
-that knows the kinds. `--kv` choices, kv-bench's modes and kv-memcalc all read `KINDS` from here."""
+that knows the kinds. `--kv` choices, kv-bench's modes and kv-memcalc all read `KINDS` from here;
+`--kv-dtype` choices read `DTYPES` (the element types of `inferno.kv.dtypes`)."""
 
 from __future__ import annotations
 
 from inferno.errors import InfernoError
 from inferno.kv.base import KVCache, KVCacheFullError
 from inferno.kv.basic import BasicKVCache
+from inferno.kv.dtypes import DTYPES, F32
 from inferno.kv.geometry import KVGeometry
 from inferno.kv.paged import PagedKVCache
 from inferno.kv.prealloc import PreallocKVCache
@@ -16,7 +18,12 @@ KINDS: dict[str, type[KVCache]] = {
 }
 DEFAULT_KIND = "prealloc"
 
-__all__ = ["DEFAULT_KIND", "KINDS", "KVCache", "KVCacheFullError", "KVGeometry", "cache_class", "make_cache"]
+DEFAULT_DTYPE = F32
+
+__all__ = [
+    "DEFAULT_DTYPE", "DEFAULT_KIND", "DTYPES", "KINDS", "KVCache", "KVCacheFullError", "KVGeometry",
+    "cache_class", "make_cache", "planned_nbytes",
+]
 
 
 def cache_class(kind: str) -> type[KVCache]:
@@ -26,7 +33,18 @@ def cache_class(kind: str) -> type[KVCache]:
     return KINDS[kind]
 
 
-def make_cache(kind: str, geometry: KVGeometry, capacity: int, **options) -> KVCache:
-    """A cache of kind `kind` for `capacity` tokens of a model with this geometry; options are the
-    kind's own (window: `window`, `sinks`, `positions`, `rotary`; paged: `block_size`)."""
-    return cache_class(kind)(geometry, capacity, **options)
+def make_cache(
+    kind: str, geometry: KVGeometry, capacity: int, dtype: str = DEFAULT_DTYPE, **options
+) -> KVCache:
+    """A cache of kind `kind` holding rows of element type `dtype`, for `capacity` tokens of a model with
+    this geometry; options are the kind's own (window: `window`, `sinks`, `positions`, `rotary`; paged:
+    `block_size`)."""
+    return cache_class(kind)(geometry, capacity, dtype=dtype, **options)
+
+
+def planned_nbytes(
+    kind: str, geometry: KVGeometry, capacity: int, dtype: str = DEFAULT_DTYPE, **options
+) -> int:
+    """Bytes `make_cache(kind, geometry, capacity, dtype, **options)` allocates for keys and values
+    (what kv-memcalc prints)."""
+    return cache_class(kind).planned_nbytes(geometry, capacity, dtype=dtype, **options)

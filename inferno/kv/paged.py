@@ -24,6 +24,7 @@ from numba import njit, prange
 from inferno.errors import InfernoError
 from inferno.kernels import DECODE_SPAN, exp_f32
 from inferno.kv.base import KVCache, KVCacheFullError
+from inferno.kv.dtypes import F32
 from inferno.kv.geometry import KVGeometry
 from inferno.kv.prealloc import lazy_zeros
 
@@ -138,8 +139,8 @@ class PagedKVCache(KVCache):
     kind = "paged"
 
     def __init__(self, geometry: KVGeometry, capacity: int, block_size: int = BLOCK_SIZE,
-                 pool: BlockPool | None = None):
-        super().__init__(geometry, capacity)
+                 pool: BlockPool | None = None, dtype: str = F32):
+        super().__init__(geometry, capacity, dtype)
         self.pool = pool or BlockPool.for_tokens(geometry, capacity, block_size)
         self.table: list[int] = []  # pool block of positions [i * block_size, (i + 1) * block_size)
         self.table_array = np.zeros(0, np.int32)  # the same, as the attention kernel reads it
@@ -147,7 +148,10 @@ class PagedKVCache(KVCache):
         self._last_hash: int | None = None
 
     @classmethod
-    def planned_nbytes(cls, geometry: KVGeometry, capacity: int, block_size: int = BLOCK_SIZE) -> int:
+    def planned_nbytes(
+        cls, geometry: KVGeometry, capacity: int, block_size: int = BLOCK_SIZE, dtype: str = F32
+    ) -> int:
+        cls.element_type(dtype)
         return geometry.nbytes(blocks_for(capacity, block_size) * block_size, ITEMSIZE)
 
     @property

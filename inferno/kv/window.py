@@ -29,6 +29,7 @@ import numpy as np
 from inferno import kernels
 from inferno.errors import InfernoError
 from inferno.kv.base import KVCache
+from inferno.kv.dtypes import F32
 from inferno.kv.geometry import KVGeometry
 from inferno.kv.prealloc import lazy_zeros
 
@@ -52,9 +53,10 @@ class WindowKVCache(KVCache):
         sinks: int = DEFAULT_SINKS,
         positions: str = DEFAULT_POSITIONS,
         rotary: Sequence[kernels.Rotary] | None = None,  # per layer: the model's RoPE
+        dtype: str = F32,
     ):
         geometry = self.geometry_for(geometry, capacity, window, sinks, positions)
-        super().__init__(geometry, capacity)
+        super().__init__(geometry, capacity, dtype)
         if positions == "shift" and rotary is None:
             raise ValueError("the shift positions need the model's RoPE (rotary)")
         self.sinks, self.positions, self.rotary = sinks, positions, rotary
@@ -107,7 +109,9 @@ class WindowKVCache(KVCache):
         window: int | None = None,
         sinks: int = DEFAULT_SINKS,
         positions: str = DEFAULT_POSITIONS,
+        dtype: str = F32,
     ) -> int:
+        cls.element_type(dtype)
         geometry = cls.geometry_for(geometry, capacity, window, sinks, positions)
         rows = sum(cls.layer_rows(geometry, capacity, sinks))
         sliding = sum(w is not None for w in geometry.windows)
