@@ -83,7 +83,7 @@ def test_shift_moves_only_the_sink_keys_by_the_slide():
     feed(cache, 11, chunk=11)
     cache.attend(0, np.ones(4 * HEAD_DIM, np.float32), 11)  # the query at 10: slid by 10 - 6 = 4
     moved = rows_of([0, 1])
-    ROTARY.rotate(moved, KV_HEADS, np.array([4, 4]))
+    ROTARY[0].rotate(moved, KV_HEADS, np.array([4, 4]))
     np.testing.assert_allclose(cache.keys[0][:2], moved, atol=1e-6)
     np.testing.assert_array_equal(cache.held_rows(0)[1][:2], rows_of([0, 1]))  # the originals are kept
 
