@@ -27,6 +27,7 @@ from inferno.quant import MATMUL_MIN_ROWS
 from inferno.sampling import Sampler
 from inferno.snapshot import model_fingerprint
 from inferno.tokenizer import GGUFTokenizer, StreamDecoder
+from inferno.validate import refusing_non_finite
 
 # progress("loading model.gguf") returns a context manager around that step (a spinner, a log line).
 Progress = Callable[[str], AbstractContextManager]
@@ -165,6 +166,8 @@ def warm_up(model: Transformer) -> None:
     """Run every kernel once so the first timed forward measures work, not compiling: a prompt just
     long enough to take prefill's BLAS path, then one decode step."""
     n = MATMUL_MIN_ROWS
+    tokens = np.arange(n + 1) % model.config.vocab_size  # any ids the embedding has
     cache = make_cache("basic", model.config.kv_geometry, n + 1)
-    model.prefill(np.arange(n), cache)
-    model.decode(n, n, cache)
+    with refusing_non_finite(n):
+        model.prefill(tokens[:n], cache)
+        model.decode(int(tokens[n]), n, cache)

@@ -21,6 +21,7 @@ from inferno.config import ModelConfig
 from inferno.errors import InfernoError
 from inferno.kv import KVCache
 from inferno.quant import QuantizedMatrix, tensor_to_float32, uses_blas
+from inferno.validate import check_finite_weights, check_model_file
 
 
 class Projections:
@@ -91,6 +92,7 @@ class Transformer:
     @classmethod
     def from_gguf(cls, reader: GGUFReader) -> Transformer:
         config = ModelConfig.from_gguf(reader)
+        check_model_file(reader, config)
         tensors = {t.name: t for t in reader.tensors}
 
         def tensor(name: str):
@@ -125,7 +127,9 @@ class Transformer:
         ]
         embedding = matrix("token_embd.weight")
         output = embedding if config.tied_embeddings else matrix("output.weight")
-        return cls(config, embedding, layers, vector("output_norm.weight"), output)
+        model = cls(config, embedding, layers, vector("output_norm.weight"), output)
+        check_finite_weights(model)
+        return model
 
     # -- the two cached paths ------------------------------------------------------------------
 

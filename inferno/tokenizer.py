@@ -20,7 +20,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from inferno.errors import InfernoError
-from inferno.gguf_file import metadata
+from inferno.gguf_file import metadata, metadata_list
 
 # tokenizer.ggml.token_type values
 CONTROL = 3
@@ -129,26 +129,26 @@ class GGUFTokenizer:
 
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader) -> GGUFTokenizer:
-        model = metadata(reader, "tokenizer.ggml.model")
+        model = metadata(reader, "tokenizer.ggml.model", kind=str)
         if model is None:
             raise InfernoError("GGUF has no tokenizer (tokenizer.ggml.model is missing)")
         if model != "gpt2":
             raise InfernoError(f"unsupported tokenizer model {model!r} (supported: 'gpt2', byte-level BPE)")
-        pre = metadata(reader, "tokenizer.ggml.pre", "default")
+        pre = metadata(reader, "tokenizer.ggml.pre", "default", kind=str)
         if pre not in PRE_TOKENIZER_SPLITS:
             raise InfernoError(
                 f"unsupported pre-tokenizer {pre!r} (supported: {', '.join(sorted(PRE_TOKENIZER_SPLITS))})"
             )
-        tokens = metadata(reader, "tokenizer.ggml.tokens")
-        merges = metadata(reader, "tokenizer.ggml.merges")
+        tokens = metadata_list(reader, "tokenizer.ggml.tokens", str)
+        merges = metadata_list(reader, "tokenizer.ggml.merges", str)
         if not tokens or not merges:
             raise InfernoError("GGUF tokenizer has no tokens or no merges")
-        token_types = metadata(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+        token_types = metadata_list(reader, "tokenizer.ggml.token_type", int) or [1] * len(tokens)
         if len(token_types) != len(tokens):
             raise InfernoError("GGUF tokenizer has a different number of token types than tokens")
 
         def token_id(name: str) -> int | None:
-            value = metadata(reader, f"tokenizer.ggml.{name}_token_id")
+            value = metadata(reader, f"tokenizer.ggml.{name}_token_id", kind=int)
             return value if value is not None and 0 <= value < len(tokens) else None
 
         ids = {name: token_id(name) for name in ("bos", "eos", "unknown", "padding", "eot", "eom")}
@@ -167,11 +167,11 @@ class GGUFTokenizer:
             tokens,
             bos_id=ids["bos"],
             eos_id=ids["eos"],
-            add_bos=bool(metadata(reader, "tokenizer.ggml.add_bos_token", False)),
-            add_eos=bool(metadata(reader, "tokenizer.ggml.add_eos_token", False)),
+            add_bos=metadata(reader, "tokenizer.ggml.add_bos_token", False, kind=bool),
+            add_eos=metadata(reader, "tokenizer.ggml.add_eos_token", False, kind=bool),
             stop_ids=frozenset(stop_ids),
             special_tokens={var: tokens[i] for var, i in named.items()},
-            chat_template=metadata(reader, "tokenizer.chat_template"),
+            chat_template=metadata(reader, "tokenizer.chat_template", kind=str),
         )
 
     def encode(self, text: str) -> list[int]:
