@@ -10,7 +10,7 @@ the Python API the commands are thin users of:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from time import perf_counter
 
@@ -23,10 +23,11 @@ from inferno.gguf_file import open_gguf
 from inferno.kv import KVCache, make_cache
 from inferno.metrics import RunRecord, Startup
 from inferno.model import Transformer
+from inferno.output_text import OutputText
 from inferno.quant import MATMUL_MIN_ROWS
 from inferno.sampling import Sampler
 from inferno.snapshot import model_fingerprint
-from inferno.tokenizer import GGUFTokenizer, StreamDecoder
+from inferno.tokenizer import GGUFTokenizer
 from inferno.validate import refusing_non_finite
 
 # progress("loading model.gguf") returns a context manager around that step (a spinner, a log line).
@@ -93,9 +94,15 @@ class Engine:
 
     # -- the Python API ------------------------------------------------------------------------
 
-    def prompt_text(self, prompt: str, chat: bool = False) -> str:
-        """What the tokenizer is given: the prompt, or with `chat` the model's chat template around it."""
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+    def prompt_text(self, prompt: str, chat: bool = False, system: str | None = None) -> str:
+        """What the tokenizer is given: the prompt, or with `chat` the model's chat template around it
+        (and the `system` message before it)."""
+        if not chat:
+            if system is not None:
+                raise InfernoError("a system message needs the chat template (--chat)")
+            return prompt
+        messages = [{"role": "system", "content": system}] if system is not None else []
+        return self.tokenizer.apply_chat_template([*messages, {"role": "user", "content": prompt}])
 
     def start(
         self,
@@ -114,39 +121,59 @@ class Engine:
         """
         if cache is None:
             cache = self.make_cache(kv, len(prompt_ids), max_new_tokens, max_context)
-        is_stop = (lambda _: False) if ignore_eos else self.tokenizer.is_stop
-        return stream_generate(self.model, prompt_ids, max_new_tokens, sampler or Sampler(), cache, is_stop)
+        return stream_generate(self.model, prompt_ids, max_new_tokens, sampler or Sampler(), cache,
+                               self.stop_token_test(ignore_eos))
 
-    def stream(self, prompt: str, max_new_tokens: int = 32, chat: bool = False, **options) -> Iterator[str]:
-        """The generated text, piece by piece as tokens come (options: those of `start`)."""
-        decoder = StreamDecoder(self.tokenizer)
-        prompt_ids = self.tokenizer.encode(self.prompt_text(prompt, chat))
+    def stop_token_test(self, ignore_eos: bool = False) -> Callable[[int], bool]:
+        return (lambda _: False) if ignore_eos else self.tokenizer.is_stop
+
+    def stream(self, prompt: str, max_new_tokens: int = 32, chat: bool = False, system: str | None = None,
+               stop: Sequence[str] = (), **options) -> Iterator[str]:
+        """The generated text, piece by piece as tokens come (options: those of `start`); it ends
+        before a stop token or any of the `stop` strings."""
+        output = OutputText(self.tokenizer, stop)
+        is_stop = self.stop_token_test(options.get("ignore_eos", False))
+        prompt_ids = self.tokenizer.encode(self.prompt_text(prompt, chat, system))
         for generation in self.start(prompt_ids, max_new_tokens, **options):
-            yield decoder.add(generation.token_ids[-1])
-        yield decoder.flush()
+            yield output.add(generation.token_ids[-1], is_stop(generation.token_ids[-1]))
+            if output.stopped:
+                break
+        yield output.flush()
 
-    def generate(self, prompt: str, max_new_tokens: int = 32, chat: bool = False, **options) -> RunRecord:
-        """Generate to the end and return the run's record: text, ids, metrics."""
-        text = self.prompt_text(prompt, chat)
+    def generate(self, prompt: str, max_new_tokens: int = 32, chat: bool = False, system: str | None = None,
+                 stop: Sequence[str] = (), **options) -> RunRecord:
+        """Generate to the end (or a stop string) and return the run's record: text, ids, metrics."""
+        text = self.prompt_text(prompt, chat, system)
+        output = OutputText(self.tokenizer, stop)
+        is_stop = self.stop_token_test(options.get("ignore_eos", False))
         t0 = perf_counter()
-        *_, generation = self.start(self.tokenizer.encode(text), max_new_tokens, **options)
-        return self.record(generation, text, (perf_counter() - t0) * 1000)
+        for generation in self.start(self.tokenizer.encode(text), max_new_tokens, **options):
+            output.add(generation.token_ids[-1], is_stop(generation.token_ids[-1]))
+            if output.stopped:
+                generation.finish_reason = "stop"
+                break
+        output.flush()
+        return self.record(generation, text, (perf_counter() - t0) * 1000, output=output)
 
     def record(
-        self, generation: Generation, prompt: str, wall_ms: float, load_cache_ms: float | None = None
+        self, generation: Generation, prompt: str, wall_ms: float, load_cache_ms: float | None = None,
+        output: OutputText | None = None,
     ) -> RunRecord:
-        """The record of a finished (or interrupted) generation of `prompt` on this engine."""
+        """The record of a finished (or interrupted) generation of `prompt` on this engine; `output`:
+        its text as shown (without a stop token, cut before a stop string), else all its tokens'."""
+        token_ids = output.token_ids if output is not None else generation.token_ids
         return RunRecord(
             model=self.path,
             prompt=prompt,
             prompt_ids=generation.prompt_ids,
-            token_ids=generation.token_ids,
-            text=self.tokenizer.decode(generation.token_ids),
+            token_ids=token_ids,
+            text=output.text if output is not None else self.tokenizer.decode(token_ids),
             finish_reason=generation.finish_reason,
             metrics=generation.metrics,
             startup=self.startup,
             wall_ms=wall_ms,
             load_cache_ms=load_cache_ms,
+            stopped_by=output.stopped_by if output is not None else None,
         )
 
 

@@ -41,6 +41,11 @@ class _PlainMapReader(GGUFReader):
         alen = self._get(orig_offs + 4, np.uint64)
         itype, count, offs = GGUFValueType(raw_itype[0]), int(alen[0]), orig_offs + 12
         parts: list[np.ndarray] = [raw_itype, alen]
+        scalar = self.gguf_scalar_to_np.get(itype)
+        # Every item takes at least a byte (a string, its 8-byte length): a count beyond what the file
+        # holds is corrupt, and looping over it would build billions of empty parts.
+        if count * (np.dtype(scalar).itemsize if scalar else 8) > len(self._data) - offs:
+            raise ValueError(f"an array of {count} items runs past the end of the file")
         if itype == GGUFValueType.STRING:
             data = self._data
             for _ in range(count):
@@ -49,7 +54,6 @@ class _PlainMapReader(GGUFReader):
                 parts += (length, data[offs + 8 : end])
                 offs = end
             return offs - orig_offs, parts, list(range(3, 2 + 2 * count, 2)), [GGUFValueType.ARRAY, itype]
-        scalar = self.gguf_scalar_to_np.get(itype)
         if scalar is None:  # arrays of arrays
             return super()._get_field_parts(orig_offs, raw_type)
         values = self._get(offs, scalar, count)

@@ -22,6 +22,7 @@ import io
 import json
 import os
 import random
+import resource
 import struct
 import subprocess
 import sys
@@ -38,6 +39,7 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 MODELS = ("tiny_llama", "tiny_qwen2", "tiny_qwen3")
 ALIGNMENT = 32
 PROG = "model-generate"
+MEMORY_LIMIT = 3 << 30  # address space of a worker: ~10x what running a tiny model takes
 
 # -- a GGUF as plain data, and back to bytes ------------------------------------------------------
 
@@ -157,7 +159,7 @@ def _bad_utf8(rng: random.Random, m: Model) -> str:
     f = rng.choice([f for f in m.fields if f[1] == GGUFValueType.STRING or
                     (f[1] == GGUFValueType.ARRAY and f[2][0] == GGUFValueType.STRING)])
     if f[1] == GGUFValueType.STRING:
-        f[2] = b"\xff\xfe" + f[2].encode()[:3]
+        f[2] = b"\xff\xfe" + (f[2].encode() if isinstance(f[2], str) else f[2])[:3]
     else:
         items = list(f[2][1])
         items[rng.randrange(len(items))] = b"\xc3\x28"
@@ -295,8 +297,13 @@ def outcome(code, stderr: str) -> str:
 
 def worker(cases: list[tuple[str, int]], results: Path) -> None:
     """Run cases in this process, appending one JSON line per finished case to `results`."""
+    # A file that makes the loader allocate without bound must fail here (MemoryError: a finding),
+    # not take the machine's memory.
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
     with tempfile.TemporaryDirectory() as tmp, results.open("a") as out:
         for name, seed in cases:
+            if os.environ.get("GGUF_FUZZ_ABORT_ON") == f"{name}:{seed}":  # the harness's own test
+                os.abort()
             data, what = make_case(name, seed)
             path = Path(tmp) / f"{name}-{seed}.gguf"
             path.write_bytes(data)

@@ -9,8 +9,20 @@ from pathlib import Path
 from time import perf_counter
 
 import click
+from rich.text import Text
 
-from inferno.cli.common import blame, console, default_model, looks_like_model, progress_on, run, set_threads
+from inferno.cli.common import (
+    EXIT_INTERRUPTED,
+    blame,
+    console,
+    default_model,
+    looks_like_model,
+    progress_on,
+    run,
+    set_threads,
+    utf8,
+    version_option,
+)
 from inferno.errors import InfernoError
 from inferno.kv import KINDS
 
@@ -41,10 +53,14 @@ def split_positionals(args: tuple[str, ...], prompt: str | None = None) -> tuple
 
 
 def read_prompt_file(path: str) -> str:
+    """The prompt in file `path`, or on standard input for `-`; it must be UTF-8."""
     try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InfernoError(f"cannot read --prompt-file {path}: {exc}") from None
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+        return data.decode("utf-8")
+    except OSError as exc:
+        raise InfernoError(f"cannot read --prompt-file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise InfernoError(f"--prompt-file {path} is not UTF-8 text (byte {exc.start})") from None
 
 
 def _kv_alone_means_basic(argv: list[str]) -> list[str]:
@@ -64,51 +80,70 @@ def _kv_alone_means_basic(argv: list[str]) -> list[str]:
 @click.option("--kv", "kv", default=None, metavar="MODE",
               help=f"KV cache: {' | '.join(KINDS)} (--kv alone: basic). Without it: no cache.")
 @click.option("--max-context", type=int, default=None,
-              help="Tokens the cache is sized for (default: prompt + new tokens).")
+              help="Tokens the cache is sized for (default: prompt + new tokens; without --kv: prealloc).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+@click.option("--system", default=None, metavar="TEXT",
+              help="With --chat: a system message before the prompt.")
+@click.option("--stop", "stops", multiple=True, metavar="STRING",
+              help="End generation where STRING appears (repeatable); the text ends before it.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 means greedy.")
 @click.option("--top-k", type=int, default=0, help="Sample from the k most likely tokens (0: off).")
 @click.option("--top-p", type=float, default=1.0, help="Sample from the smallest set of mass p.")
 @click.option("--seed", type=int, default=None, help="Random seed for sampling.")
 @click.option("--ignore-eos", is_flag=True, help="Generate all tokens even past end-of-sequence.")
-@click.option("--prompt-file", type=click.Path(dir_okay=False), default=None,
-              help="Read the prompt from a file (PROMPT is then not given).")
+@click.option("--prompt-file", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+              help="Read the prompt from a file, or standard input for - (PROMPT is then not given).")
 @click.option("--threads", type=int, default=None, help="Threads for the kernels (default: all cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text and tables.")
 @click.option("--save-cache", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="After the run, save the KV cache to FILE as a snapshot (without --kv: prealloc).")
 @click.option("--load-cache", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Start from a snapshot: only the prompt past its tokens is prefilled.")
-def command(args, kv, max_context, chat, temperature, top_k, top_p, seed, ignore_eos, prompt_file, threads,
-            as_json, save_cache, load_cache):
+@version_option()
+def command(args, kv, max_context, chat, system, stops, temperature, top_k, top_p, seed, ignore_eos,
+            prompt_file, threads, as_json, save_cache, load_cache):
     """Generate text with a GGUF model on the CPU and report per-forward timings.
 
-    With a KV cache decode cost stays flat; without one every step reruns the whole sequence.
+    The generated text goes to stdout; the prompt, progress and metrics to stderr (--json: one
+    object on stdout). With a KV cache decode cost stays flat; without one every step reruns the
+    whole sequence.
     """
     set_threads(threads)
     file_prompt = read_prompt_file(prompt_file) if prompt_file else None
     model_path, prompt, max_new = split_positionals(args, file_prompt)
+    prompt = utf8("the prompt", prompt)
+    stops = [utf8("--stop", stop) for stop in stops]
+    if "" in stops:
+        raise InfernoError("--stop needs a non-empty string")
+    if system is not None:
+        system = utf8("--system", system)
     if max_new < 1:
         raise InfernoError(f"MAX_NEW_TOKENS must be at least 1, got {max_new}")
     if kv is not None and kv not in KINDS:
         raise InfernoError(f"unknown KV cache mode {kv!r} (valid: {', '.join(KINDS)})")
     if max_context is not None and max_context < 1:
         raise InfernoError(f"--max-context must be at least 1, got {max_context}")
+    if system is not None and not chat:
+        raise InfernoError("--system needs --chat (the system message goes into the chat template)")
     if save_cache and load_cache and Path(save_cache).resolve() == Path(load_cache).resolve():
         raise InfernoError("--save-cache names the --load-cache file, which is never modified: give another")
-    if (save_cache or load_cache) and kv is None:
-        kv = "prealloc"  # a snapshot is a cache's contents: there must be a cache
+    if (save_cache or load_cache or max_context) and kv is None:
+        kv = "prealloc"  # a snapshot is a cache's contents, a context is a cache's size: there must be one
     from inferno.sampling import Sampler
 
     sampler = Sampler(temperature, top_k, top_p, seed)
     model_path = model_path or default_model()
 
     from inferno.engine import Engine
+    from inferno.generate import Generation
+    from inferno.metrics import Metrics
+    from inferno.output_text import OutputText
     from inferno.snapshot import Snapshot
 
     err = console(stderr=True)
     engine = Engine.load(model_path, progress=None if as_json else progress_on(err))
-    text = engine.prompt_text(prompt, chat)
+    output = OutputText(engine.tokenizer, stops)
+    text = engine.prompt_text(prompt, chat, system)
     prompt_ids = engine.tokenizer.encode(text)
     with blame("--max-context", max_context):
         cache = engine.make_cache(kv, len(prompt_ids), max_new, max_context)
@@ -120,30 +155,46 @@ def command(args, kv, max_context, chat, temperature, top_k, top_p, seed, ignore
         snapshot.restore(cache, prompt_ids)
         load_cache_ms = (perf_counter() - t) * 1000
 
-    from inferno.tokenizer import StreamDecoder
-
-    out = console()
-    stream = StreamDecoder(engine.tokenizer)
     if not as_json:
-        out.print(prompt, style="dim", end="", markup=False)
+        err.print(Text(prompt, style="dim"), end="", soft_wrap=True)  # literally: never markup
+    is_stop = engine.stop_token_test(ignore_eos)
+    generation = None
     t0 = perf_counter()
-    steps = engine.start(prompt_ids, max_new, kv=kv, sampler=sampler, cache=cache, ignore_eos=ignore_eos)
-    for generation in steps:
-        if not as_json:
-            print(stream.add(generation.token_ids[-1]), end="", flush=True)
-    record = engine.record(generation, text, (perf_counter() - t0) * 1000, load_cache_ms)
-    if save_cache:
-        Snapshot.from_cache(cache, prompt_ids + record.token_ids, engine.config, engine.fingerprint).save(
+    try:
+        for generation in engine.start(prompt_ids, max_new, kv=kv, sampler=sampler, cache=cache,
+                                       ignore_eos=ignore_eos):
+            token = generation.token_ids[-1]
+            show(output.add(token, is_stop(token)), as_json)
+            if output.stopped:
+                generation.finish_reason = "stop"
+                break
+    except KeyboardInterrupt:
+        generation = generation or Generation(prompt_ids, [], Metrics(len(prompt_ids), 0))
+        generation.finish_reason = "interrupted"
+    show(output.flush(), as_json)
+    record = engine.record(generation, text, (perf_counter() - t0) * 1000, load_cache_ms, output)
+    if save_cache and record.finish_reason != "interrupted":
+        Snapshot.from_cache(cache, prompt_ids + generation.token_ids, engine.config, engine.fingerprint).save(
             save_cache
         )
+    interrupted = record.finish_reason == "interrupted"
     if as_json:
         json.dump(record.to_json(), sys.stdout)
-        print()
-        return
-    print(stream.flush(), flush=True)
-    from inferno.cli.display import metrics_panel
+    print(flush=True)
+    if interrupted:
+        click.echo(f"{PROG}: interrupted after {len(generation.token_ids)} tokens", err=True)
+    if not as_json:
+        from inferno.cli.display import metrics_panel
 
-    out.print(metrics_panel(record))
+        err.print(metrics_panel(record))
+    if interrupted:
+        sys.exit(EXIT_INTERRUPTED)
+
+
+def show(piece: str, as_json: bool) -> None:
+    """Stream generated text to stdout as it comes (in --json mode it is only in the object)."""
+    if piece and not as_json:
+        print(piece, end="", flush=True)
 
 
 def main() -> None:

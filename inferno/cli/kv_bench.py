@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from inferno.cli.common import console, default_model, progress_on, run, set_threads
+from inferno.cli.common import console, default_model, progress_on, run, set_threads, utf8, version_option
 from inferno.errors import InfernoError
 from inferno.kv import KINDS
 
@@ -53,6 +53,7 @@ def summary_row(metrics: dict, window: int) -> dict:
               help="Decode steps averaged for the first/last forward columns.")
 @click.option("--threads", type=int, default=None)
 @click.option("--json", "as_json", is_flag=True)
+@version_option()
 def command(model, prompt, new_tokens, modes, window, threads, as_json):
     """Show what a KV cache buys: per-forward time climbs without one and stays flat with one."""
     set_threads(threads)
@@ -66,7 +67,7 @@ def command(model, prompt, new_tokens, modes, window, threads, as_json):
 
     err = console(stderr=True)
     engine = Engine.load(model or default_model(), progress=None if as_json else progress_on(err))
-    prompt_ids = engine.tokenizer.encode(prompt)
+    prompt_ids = engine.tokenizer.encode(utf8("--prompt", prompt))
     results = bench(engine, prompt_ids, new_tokens, chosen)
     rows = {mode: summary_row(r["metrics"], window) for mode, r in results.items()}
     same = len({tuple(r["token_ids"]) for r in results.values()}) == 1

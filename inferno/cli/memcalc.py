@@ -11,9 +11,10 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from inferno.cli.common import console, run
+from inferno.cli.common import console, run, version_option
 from inferno.memcalc import (
     DTYPES,
+    MAX_LAYERS,
     DType,
     KVShape,
     ModelInfo,
@@ -48,9 +49,12 @@ def both(n: int) -> str:
 
 
 class PositiveInt(click.ParamType):
-    """A whole number of at least 1, with a plainer message than click's IntRange."""
+    """A whole number of at least 1 (and at most `maximum`), with a plainer message than click's IntRange."""
 
     name = "N"
+
+    def __init__(self, maximum: int | None = None) -> None:
+        self.maximum = maximum
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         try:
@@ -59,6 +63,8 @@ class PositiveInt(click.ParamType):
             self.fail(f"{value!r} is not a whole number", param, ctx)
         if number < 1:
             self.fail(f"must be at least 1, got {number}", param, ctx)
+        if self.maximum is not None and number > self.maximum:
+            self.fail(f"must be at most {self.maximum:,}, got {number:,}", param, ctx)
         return number
 
 
@@ -75,7 +81,7 @@ def read_model(path: str) -> ModelInfo:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--model", "model_path", metavar="FILE.gguf", help="Read the shape from a GGUF's metadata.")
-@click.option("--layers", type=POSITIVE, help="Transformer layers (blocks).")
+@click.option("--layers", type=PositiveInt(MAX_LAYERS), help="Transformer layers (blocks).")
 @click.option("--kv-heads", type=POSITIVE, help="Key/value heads per layer.")
 @click.option("--head-dim", type=POSITIVE, help="Values per head  [default: 128, or the model's]")
 @click.option("--heads", type=POSITIVE, help="Query heads: also show what multi-head attention would need.")
@@ -104,6 +110,7 @@ def read_model(path: str) -> ModelInfo:
 )
 @click.option("--budget", metavar="SIZE", help="Memory to fit: 24GiB, 32GB, 512MiB or bytes.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@version_option()
 def command(
     model_path: str | None,
     layers: int | None,
