@@ -28,7 +28,7 @@ from inferno.quant import MATMUL_MIN_ROWS
 from inferno.sampling import Sampler
 from inferno.snapshot import model_fingerprint
 from inferno.tokenizer import GGUFTokenizer
-from inferno.validate import refusing_non_finite
+from inferno.validate import check_logits, refusing_non_finite
 
 # progress("loading model.gguf") returns a context manager around that step (a spinner, a log line).
 Progress = Callable[[str], AbstractContextManager]
@@ -196,5 +196,5 @@ def warm_up(model: Transformer) -> None:
     tokens = np.arange(n + 1) % model.config.vocab_size  # any ids the embedding has
     cache = make_cache("basic", model.config.kv_geometry, n + 1)
     with refusing_non_finite(n):
-        model.prefill(tokens[:n], cache)
-        model.decode(int(tokens[n]), n, cache)
+        check_logits(model.prefill(tokens[:n], cache), n - 1)
+        check_logits(model.decode(int(tokens[n]), n, cache), n)

@@ -28,7 +28,9 @@ def fail(prog: str, message: str) -> NoReturn:
 def run(command: click.Command, prog: str) -> None:
     """Run a click command; bad flags and InfernoError become one line on stderr and exit code 2."""
     try:
-        command.main(prog_name=prog, standalone_mode=False)
+        # Not command.main(): it turns a broken pipe into exit code 1 before we could see it.
+        with command.make_context(prog, sys.argv[1:]) as ctx:
+            command.invoke(ctx)
     except click.exceptions.Exit as done:
         sys.exit(done.exit_code)
     except click.ClickException as bad:
@@ -132,7 +134,12 @@ def console(stderr: bool = False):
     """A rich console; rich itself honours NO_COLOR and drops styling when not writing to a terminal."""
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False)
+    class QuietOnBrokenPipe(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise BrokenPipeError  # to run(), which exits 0 (rich's own handler exits 1)
+
+    return QuietOnBrokenPipe(stderr=stderr, highlight=False)
 
 
 def progress_on(console) -> Callable[[str], AbstractContextManager] | None:

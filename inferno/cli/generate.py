@@ -155,8 +155,10 @@ def command(args, kv, max_context, chat, system, stops, temperature, top_k, top_
         snapshot.restore(cache, prompt_ids)
         load_cache_ms = (perf_counter() - t) * 1000
 
-    if not as_json:
-        err.print(Text(prompt, style="dim"), end="", soft_wrap=True)  # literally: never markup
+    if not as_json and sys.stdout.isatty():
+        # Someone watching the text stream sees it follow the prompt; a script reading stdout gets
+        # only the generated text. Text, not a str: the prompt is never read as rich markup.
+        err.print(Text(prompt, style="dim"), end="", soft_wrap=True)
     is_stop = engine.stop_token_test(ignore_eos)
     generation = None
     t0 = perf_counter()
