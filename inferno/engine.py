@@ -121,23 +121,32 @@ class Engine:
         """
         if cache is None:
             cache = self.make_cache(kv, len(prompt_ids), max_new_tokens, max_context)
-        return stream_generate(self.model, prompt_ids, max_new_tokens, sampler or Sampler(), cache,
-                               self.stop_token_test(ignore_eos))
+        is_stop = (lambda _: False) if ignore_eos else self.tokenizer.is_stop
+        return stream_generate(self.model, prompt_ids, max_new_tokens, sampler or Sampler(), cache, is_stop)
 
-    def stop_token_test(self, ignore_eos: bool = False) -> Callable[[int], bool]:
-        return (lambda _: False) if ignore_eos else self.tokenizer.is_stop
+    def start_text(
+        self, prompt_ids: list[int], max_new_tokens: int, output: OutputText, **options
+    ) -> Iterator[tuple[Generation, str]]:
+        """`start`, with the text: after each token, the live Generation and the text that can now be
+        shown; it ends at a stop token or one of `output`'s stop strings (finish_reason "stop")."""
+        is_stop = (lambda _: False) if options.get("ignore_eos") else self.tokenizer.is_stop
+        for generation in self.start(prompt_ids, max_new_tokens, **options):
+            token = generation.token_ids[-1]
+            piece = output.add(token, is_stop(token))
+            if output.stopped:
+                generation.finish_reason = "stop"
+            yield generation, piece
+            if output.stopped:
+                return
 
     def stream(self, prompt: str, max_new_tokens: int = 32, chat: bool = False, system: str | None = None,
                stop: Sequence[str] = (), **options) -> Iterator[str]:
         """The generated text, piece by piece as tokens come (options: those of `start`); it ends
         before a stop token or any of the `stop` strings."""
         output = OutputText(self.tokenizer, stop)
-        is_stop = self.stop_token_test(options.get("ignore_eos", False))
         prompt_ids = self.tokenizer.encode(self.prompt_text(prompt, chat, system))
-        for generation in self.start(prompt_ids, max_new_tokens, **options):
-            yield output.add(generation.token_ids[-1], is_stop(generation.token_ids[-1]))
-            if output.stopped:
-                break
+        for _, piece in self.start_text(prompt_ids, max_new_tokens, output, **options):
+            yield piece
         yield output.flush()
 
     def generate(self, prompt: str, max_new_tokens: int = 32, chat: bool = False, system: str | None = None,
@@ -145,13 +154,8 @@ class Engine:
         """Generate to the end (or a stop string) and return the run's record: text, ids, metrics."""
         text = self.prompt_text(prompt, chat, system)
         output = OutputText(self.tokenizer, stop)
-        is_stop = self.stop_token_test(options.get("ignore_eos", False))
         t0 = perf_counter()
-        for generation in self.start(self.tokenizer.encode(text), max_new_tokens, **options):
-            output.add(generation.token_ids[-1], is_stop(generation.token_ids[-1]))
-            if output.stopped:
-                generation.finish_reason = "stop"
-                break
+        *_, (generation, _) = self.start_text(self.tokenizer.encode(text), max_new_tokens, output, **options)
         output.flush()
         return self.record(generation, text, (perf_counter() - t0) * 1000, output=output)
 

@@ -17,8 +17,9 @@ def test_every_mutated_gguf_is_refused_in_one_line_or_runs():
           f"{counts['other']} other, {counts['crash']} crashed")
     assert len(rows) == CASES
     bad = [row for row in rows if row["outcome"] not in ("refused", "ran")]
-    assert not bad, "\n\n".join(f"{r['model']} seed {r['seed']} ({r['what']}): exit {r['code']}\n{r['stderr']}"
-                                for r in bad[:5])
+    assert not bad, "\n\n".join(
+        f"{r['model']} seed {r['seed']} ({r['what']}): exit {r['code']}\n{r['stderr']}" for r in bad[:5]
+    )
     assert counts["refused"] > CASES // 2 and counts["ran"] > CASES // 20  # the mutations do both
 
 

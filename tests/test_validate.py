@@ -71,7 +71,7 @@ CASES = {
     "2-D norm": (set_shape("output_norm.weight", [32, 2]), "output_norm.weight has shape [2, 32]"),
     "dimension 0": (set_shape("blk.0.ffn_up.weight", [64, 0]), "blk.0.ffn_up.weight"),
     "projection dims swapped": (set_shape("blk.0.ffn_down.weight", [64, 128]),
-                                "blk.0.ffn_down.weight has shape [128, 64], the model's config needs [64, 128]"),
+                                "ffn_down.weight has shape [128, 64], the model's config needs [64, 128]"),
     "embedding smaller than the tokenizer": (drop_tokens(20), "tokenizer has 320 tokens"),
     "head_count 0": (set_int("llama.attention.head_count", 0), "head_count is 0"),
     "head_count_kv 0": (set_int("llama.attention.head_count_kv", 0), "head_count_kv is 0"),

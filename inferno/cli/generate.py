@@ -159,17 +159,13 @@ def command(args, kv, max_context, chat, system, stops, temperature, top_k, top_
         # Someone watching the text stream sees it follow the prompt; a script reading stdout gets
         # only the generated text. Text, not a str: the prompt is never read as rich markup.
         err.print(Text(prompt, style="dim"), end="", soft_wrap=True)
-    is_stop = engine.stop_token_test(ignore_eos)
     generation = None
     t0 = perf_counter()
     try:
-        for generation in engine.start(prompt_ids, max_new, kv=kv, sampler=sampler, cache=cache,
-                                       ignore_eos=ignore_eos):
-            token = generation.token_ids[-1]
-            show(output.add(token, is_stop(token)), as_json)
-            if output.stopped:
-                generation.finish_reason = "stop"
-                break
+        steps = engine.start_text(prompt_ids, max_new, output, kv=kv, sampler=sampler, cache=cache,
+                                  ignore_eos=ignore_eos)
+        for generation, piece in steps:  # noqa: B007 (the last one is recorded below)
+            show(piece, as_json)
     except KeyboardInterrupt:
         generation = generation or Generation(prompt_ids, [], Metrics(len(prompt_ids), 0))
         generation.finish_reason = "interrupted"

@@ -35,6 +35,7 @@ from inferno.cli.display import fmt_bytes
 from inferno.errors import InfernoError
 from inferno.kv import KVCache, KVGeometry
 from inferno.snapshot import Snapshot
+from inferno.validate import check_logits, refusing_non_finite
 
 if TYPE_CHECKING:
     from inferno.engine import Engine  # loading it pulls in the model and its kernels
@@ -62,12 +63,15 @@ def fill_cache(
     with blame("--max-context", max_context):
         cache = engine.make_cache("prealloc", len(prompt_ids), n_decode, max_context)
     model, ids = engine.model, list(prompt_ids)
-    if len(ids) > 1:
-        model.prefill(np.array(ids[:-1]), cache)
+    with refusing_non_finite(len(ids) - 1):
+        if len(ids) > 1:
+            model.prefill(np.array(ids[:-1]), cache)
     queries: list[np.ndarray] = []
     for step in range(n_decode + 1):
         last = step == n_decode
-        logits = model.decode(ids[-1], len(ids) - 1, cache, queries=queries if last else None)
+        with refusing_non_finite(len(ids) - 1):
+            logits = model.decode(ids[-1], len(ids) - 1, cache, queries=queries if last else None)
+        check_logits(logits, len(ids) - 1)
         if not last:
             ids.append(int(np.argmax(logits)))  # greedy
     return cache, ids, queries
