@@ -158,13 +158,14 @@ def interrupt_on_sample(monkeypatch, after: int) -> None:
     monkeypatch.setattr(Sampler, "__call__", sample)
 
 
-def test_ctrl_c_with_json_prints_the_partial_object(gen, monkeypatch):
-    interrupt_on_sample(monkeypatch, after=2)
+@pytest.mark.parametrize("after", [0, 2])  # during the prefill; during decode
+def test_ctrl_c_with_json_prints_the_partial_object(gen, monkeypatch, after):
+    interrupt_on_sample(monkeypatch, after)
     code, out, err = gen("--json", "--kv", "prealloc", TINY, "Hello world", 10)
     assert code == 130
     run = json.loads(out)
-    assert run["finish_reason"] == "interrupted" and len(run["token_ids"]) == 2
-    assert err == "model-generate: interrupted after 2 tokens\n"
+    assert run["finish_reason"] == "interrupted" and len(run["token_ids"]) == after
+    assert err == f"model-generate: interrupted after {after} tokens\n"
 
 
 def test_ctrl_c_during_save_cache_leaves_no_file(gen, monkeypatch, tmp_path):
