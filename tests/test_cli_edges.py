@@ -255,3 +255,15 @@ def test_unreadable_model_file(gen, unreadable):
 def test_unreadable_model_file_in_memcalc(run_main, unreadable):
     assert_refused(run_main(memcalc.main, "kv-memcalc", "--model", str(unreadable)), "kv-memcalc",
                    "cannot read")
+
+
+def test_memcalc_refuses_metadata_of_the_wrong_type(run_main, tmp_path):
+    from gguf import GGUFValueType
+    from gguf_fuzz import read_model, write_model
+
+    model = read_model(TINY)
+    next(f for f in model.fields if f[0] == "llama.context_length")[1:] = [GGUFValueType.STRING, "long"]
+    path = tmp_path / "typed.gguf"
+    path.write_bytes(write_model(model))
+    assert_refused(run_main(memcalc.main, "kv-memcalc", "--model", str(path)), "kv-memcalc",
+                   "llama.context_length should be an integer")

@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from inferno.cli.common import console, run, version_option
+from inferno.errors import InfernoError
 from inferno.memcalc import (
     DTYPES,
     MAX_LAYERS,
@@ -76,7 +77,15 @@ def read_model(path: str) -> ModelInfo:
     from inferno.gguf_file import metadata, open_gguf
 
     reader = open_gguf(path)
-    return model_info(lambda key: metadata(reader, key))
+
+    def get(key: str) -> Any:
+        # Every key model_info reads is a count (or one per layer) but the architecture's name.
+        value = metadata(reader, key)
+        if isinstance(value, (str, float)) and key != "general.architecture":
+            raise InfernoError(f"GGUF metadata {key} should be an integer, not {value!r}"[:160])
+        return value
+
+    return model_info(get)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
