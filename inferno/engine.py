@@ -10,7 +10,7 @@ the Python API the commands are thin users of:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from time import perf_counter
 
@@ -23,10 +23,12 @@ from inferno.gguf_file import open_gguf
 from inferno.kv import DEFAULT_DTYPE, KVCache, cache_class, make_cache
 from inferno.metrics import RunRecord, Startup
 from inferno.model import Transformer
+from inferno.output_text import OutputText
 from inferno.quant import MATMUL_MIN_ROWS
 from inferno.sampling import Sampler
 from inferno.snapshot import model_fingerprint
-from inferno.tokenizer import GGUFTokenizer, StreamDecoder
+from inferno.tokenizer import GGUFTokenizer
+from inferno.validate import check_logits, refusing_non_finite
 
 # progress("loading model.gguf") returns a context manager around that step (a spinner, a log line).
 Progress = Callable[[str], AbstractContextManager]
@@ -115,9 +117,15 @@ class Engine:
 
     # -- the Python API ------------------------------------------------------------------------
 
-    def prompt_text(self, prompt: str, chat: bool = False) -> str:
-        """What the tokenizer is given: the prompt, or with `chat` the model's chat template around it."""
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+    def prompt_text(self, prompt: str, chat: bool = False, system: str | None = None) -> str:
+        """What the tokenizer is given: the prompt, or with `chat` the model's chat template around it
+        (and the `system` message before it)."""
+        if not chat:
+            if system is not None:
+                raise InfernoError("a system message needs the chat template (--chat)")
+            return prompt
+        messages = [{"role": "system", "content": system}] if system is not None else []
+        return self.tokenizer.apply_chat_template([*messages, {"role": "user", "content": prompt}])
 
     def start(
         self,
@@ -143,36 +151,60 @@ class Engine:
         is_stop = (lambda _: False) if ignore_eos else self.tokenizer.is_stop
         return stream_generate(self.model, prompt_ids, max_new_tokens, sampler or Sampler(), cache, is_stop)
 
-    def stream(self, prompt: str, max_new_tokens: int = 32, chat: bool = False, **options) -> Iterator[str]:
-        """The generated text, piece by piece as tokens come (options: those of `start`)."""
-        decoder = StreamDecoder(self.tokenizer)
-        prompt_ids = self.tokenizer.encode(self.prompt_text(prompt, chat))
+    def start_text(
+        self, prompt_ids: list[int], max_new_tokens: int, output: OutputText, **options
+    ) -> Iterator[tuple[Generation, str]]:
+        """`start`, with the text: after each token, the live Generation and the text that can now be
+        shown; it ends at a stop token or one of `output`'s stop strings (finish_reason "stop")."""
+        is_stop = (lambda _: False) if options.get("ignore_eos") else self.tokenizer.is_stop
         for generation in self.start(prompt_ids, max_new_tokens, **options):
-            yield decoder.add(generation.token_ids[-1])
-        yield decoder.flush()
+            token = generation.token_ids[-1]
+            piece = output.add(token, is_stop(token))
+            if output.stopped:
+                generation.finish_reason = "stop"
+            yield generation, piece
+            if output.stopped:
+                return
 
-    def generate(self, prompt: str, max_new_tokens: int = 32, chat: bool = False, **options) -> RunRecord:
-        """Generate to the end and return the run's record: text, ids, metrics."""
-        text = self.prompt_text(prompt, chat)
+    def stream(self, prompt: str, max_new_tokens: int = 32, chat: bool = False, system: str | None = None,
+               stop: Sequence[str] = (), **options) -> Iterator[str]:
+        """The generated text, piece by piece as tokens come (options: those of `start`); it ends
+        before a stop token or any of the `stop` strings."""
+        output = OutputText(self.tokenizer, stop)
+        prompt_ids = self.tokenizer.encode(self.prompt_text(prompt, chat, system))
+        for _, piece in self.start_text(prompt_ids, max_new_tokens, output, **options):
+            yield piece
+        yield output.flush()
+
+    def generate(self, prompt: str, max_new_tokens: int = 32, chat: bool = False, system: str | None = None,
+                 stop: Sequence[str] = (), **options) -> RunRecord:
+        """Generate to the end (or a stop string) and return the run's record: text, ids, metrics."""
+        text = self.prompt_text(prompt, chat, system)
+        output = OutputText(self.tokenizer, stop)
         t0 = perf_counter()
-        *_, generation = self.start(self.tokenizer.encode(text), max_new_tokens, **options)
-        return self.record(generation, text, (perf_counter() - t0) * 1000)
+        *_, (generation, _) = self.start_text(self.tokenizer.encode(text), max_new_tokens, output, **options)
+        output.flush()
+        return self.record(generation, text, (perf_counter() - t0) * 1000, output=output)
 
     def record(
-        self, generation: Generation, prompt: str, wall_ms: float, load_cache_ms: float | None = None
+        self, generation: Generation, prompt: str, wall_ms: float, load_cache_ms: float | None = None,
+        output: OutputText | None = None,
     ) -> RunRecord:
-        """The record of a finished (or interrupted) generation of `prompt` on this engine."""
+        """The record of a finished (or interrupted) generation of `prompt` on this engine; `output`:
+        its text as shown (without a stop token, cut before a stop string), else all its tokens'."""
+        token_ids = output.token_ids if output is not None else generation.token_ids
         return RunRecord(
             model=self.path,
             prompt=prompt,
             prompt_ids=generation.prompt_ids,
-            token_ids=generation.token_ids,
-            text=self.tokenizer.decode(generation.token_ids),
+            token_ids=token_ids,
+            text=output.text if output is not None else self.tokenizer.decode(token_ids),
             finish_reason=generation.finish_reason,
             metrics=generation.metrics,
             startup=self.startup,
             wall_ms=wall_ms,
             load_cache_ms=load_cache_ms,
+            stopped_by=output.stopped_by if output is not None else None,
         )
 
 
@@ -192,6 +224,8 @@ def warm_up(model: Transformer) -> None:
     """Run every kernel once so the first timed forward measures work, not compiling: a prompt just
     long enough to take prefill's BLAS path, then one decode step."""
     n = MATMUL_MIN_ROWS
+    tokens = np.arange(n + 1) % model.config.vocab_size  # any ids the embedding has
     cache = make_cache("basic", model.config.kv_geometry, n + 1)
-    model.prefill(np.arange(n), cache)
-    model.decode(n, n, cache)
+    with refusing_non_finite(n):
+        check_logits(model.prefill(tokens[:n], cache), n - 1)
+        check_logits(model.decode(int(tokens[n]), n, cache), n)

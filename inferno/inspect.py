@@ -16,6 +16,7 @@ import numpy as np
 from inferno.errors import InfernoError
 from inferno.kv import DEFAULT_DTYPE, KVCache, KVGeometry, make_cache
 from inferno.snapshot import Snapshot
+from inferno.validate import check_logits, refusing_non_finite
 
 if TYPE_CHECKING:
     from inferno.engine import Engine  # loading it pulls in the model and its kernels
@@ -34,12 +35,15 @@ def fill_cache(
     """
     cache = engine.make_cache(kind, len(prompt_ids), n_decode, max_context, **options)
     model, ids = engine.model, list(prompt_ids)
-    if len(ids) > 1:
-        model.prefill(np.array(ids[:-1]), cache)
+    with refusing_non_finite(len(ids) - 1):
+        if len(ids) > 1:
+            model.prefill(np.array(ids[:-1]), cache)
     queries: list[np.ndarray] = []
     for step in range(n_decode + 1):
         last = step == n_decode
-        logits = model.decode(ids[-1], len(ids) - 1, cache, queries=queries if last else None)
+        with refusing_non_finite(len(ids) - 1):
+            logits = model.decode(ids[-1], len(ids) - 1, cache, queries=queries if last else None)
+        check_logits(logits, len(ids) - 1)
         if not last:
             ids.append(int(np.argmax(logits)))  # greedy
     return cache, ids, queries

@@ -85,14 +85,15 @@ class RunRecord:
     model: str
     prompt: str  # the text given to the tokenizer (after the chat template, with --chat)
     prompt_ids: list[int]
-    token_ids: list[int]  # generated only
-    text: str  # of token_ids
-    finish_reason: str | None  # "stop" (end of sequence), "length" (max tokens), "interrupted"
+    token_ids: list[int]  # generated only, without the stop token that ended it
+    text: str  # of token_ids, cut where a stop string begins
+    finish_reason: str | None  # "stop" (a stop token or string), "length" (max tokens), "interrupted"
     metrics: Metrics
     startup: Startup
     wall_ms: float  # generating, from the prompt's first forward to the last token
     load_cache_ms: float | None = None  # reading a --load-cache snapshot
     token_log: list[TokenRecord] | None = None  # with --log-tokens
+    stopped_by: str | None = None  # the stop string, or stop token's text, that ended it (not in text)
 
     def to_json(self) -> dict:
         return {
@@ -104,6 +105,7 @@ class RunRecord:
             "text": self.text,
             "finish_reason": self.finish_reason,
             **({"token_log": [r.to_json() for r in self.token_log]} if self.token_log is not None else {}),
+            "stopped_by": self.stopped_by,
             "metrics": self.metrics.to_json()
             | {"wall_ms": self.wall_ms, "load_cache_ms": self.load_cache_ms,
                "load_ms": self.startup.load_ms, "jit_ms": self.startup.jit_ms},

@@ -24,6 +24,7 @@ from inferno.kv import KVCache
 from inferno.kv.batch import batch_of
 from inferno.quant import QuantizedMatrix, tensor_to_float32, uses_blas
 from inferno.quant_batch import batch_matmul
+from inferno.validate import check_finite_weights, check_model_file
 
 MatMul = Callable[[QuantizedMatrix, np.ndarray], np.ndarray]  # x [n, cols] -> [n, rows]
 
@@ -106,6 +107,7 @@ class Transformer:
     @classmethod
     def from_gguf(cls, reader: GGUFReader) -> Transformer:
         config = ModelConfig.from_gguf(reader)
+        check_model_file(reader, config)
         tensors = {t.name: t for t in reader.tensors}
 
         def tensor(name: str):
@@ -142,7 +144,9 @@ class Transformer:
         ]
         embedding = matrix("token_embd.weight")
         output = embedding if config.tied_embeddings else matrix("output.weight")
-        return cls(config, embedding, layers, vector("output_norm.weight"), output)
+        model = cls(config, embedding, layers, vector("output_norm.weight"), output)
+        check_finite_weights(model)
+        return model
 
     # -- the two cached paths ------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ were computed for: a snapshot is reused as a prefix, never shifted.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -137,8 +138,11 @@ class Snapshot:
         try:
             tmp.write_bytes(data)
             os.replace(tmp, path)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
+        except BaseException as exc:  # a full disk, a read-only directory, Ctrl-C: no temp file left
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            if not isinstance(exc, OSError):
+                raise
             raise InfernoError(f"cannot save the KV cache to {path}: {exc.strerror or exc}") from None
 
     @classmethod

@@ -19,11 +19,21 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from inferno.cli.common import blame, console, default_model, looks_like_model, progress_on, run, set_threads
+from inferno.cli.common import (
+    blame,
+    console,
+    default_model,
+    is_gguf_file,
+    looks_like_model,
+    progress_on,
+    run,
+    set_threads,
+    utf8,
+    version_option,
+)
 from inferno.cli.display import fmt_bytes
 from inferno.cli.generate import cache_options
 from inferno.errors import InfernoError
-from inferno.gguf_file import GGUF_MAGIC
 from inferno.inspect import inspect_prompt, inspect_snapshot
 from inferno.kv import DEFAULT_DTYPE, DEFAULT_KIND, DTYPES, KINDS
 from inferno.kv.dtypes import element_type
@@ -40,10 +50,7 @@ def is_snapshot_file(arg: str) -> bool:
     """A .safetensors name, or a file that is not a GGUF: read as a snapshot (which says if it is not one)."""
     if arg.endswith(".safetensors"):
         return True
-    if arg.endswith(".gguf") or not os.path.isfile(arg):
-        return False
-    with open(arg, "rb") as f:
-        return f.read(len(GGUF_MAGIC)) != GGUF_MAGIC
+    return not arg.endswith(".gguf") and os.path.isfile(arg) and not is_gguf_file(arg)
 
 
 def inspect_model(
@@ -76,7 +83,8 @@ def split_args(args: tuple[str, ...]) -> tuple[Path | None, str]:
         raise click.UsageError("missing PROMPT (or a snapshot file to inspect)")
     if len(args) > 2:
         raise click.UsageError(f"too many arguments: {' '.join(args[2:])}")
-    return (Path(args[0]), args[1]) if len(args) == 2 else (None, args[0])
+    model, prompt = (Path(args[0]), args[1]) if len(args) == 2 else (None, args[0])
+    return model, utf8("the prompt", prompt)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -97,6 +105,7 @@ def split_args(args: tuple[str, ...]) -> tuple[Path | None, str]:
               help=f"Store the rows as {' | '.join(DTYPES)} and show what that loses per layer and KV head.")
 @click.option("--threads", type=int, default=None, help="Threads for the kernels (default: all cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+@version_option()
 def command(args, n_decode, layer, max_context, kind, window, sinks, window_positions, kv_dtype, threads,
             as_json):
     """Show what a KV cache holds: geometry, fill, tokens, K/V norms, attention.
@@ -235,10 +244,10 @@ def heatmap(values: np.ndarray, rows: list[str], columns: list[str], fmt: str) -
     span = hi - lo or 1.0
     table = Table(box=None, padding=(0, 0, 0, 1), header_style="bold")
     table.add_column(justify="left", no_wrap=True)
-    for column in columns:
-        table.add_column(column, justify="right", no_wrap=True)
+    for column in columns:  # Text, not markup: labels hold token text such as "[/"
+        table.add_column(Text(column), justify="right", no_wrap=True)
     for label, row in zip(rows, values, strict=True):
-        table.add_row(label, *(Text(f" {fmt.format(v)} ", style=shade((v - lo) / span)) for v in row))
+        table.add_row(Text(label), *(Text(f" {fmt.format(v)} ", style=shade((v - lo) / span)) for v in row))
     return table
 
 

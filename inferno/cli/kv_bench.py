@@ -9,7 +9,7 @@ import sys
 import click
 
 from inferno.bench.kv_modes import DEFAULT_MODES, MODES, run_modes, summary_row
-from inferno.cli.common import console, default_model, progress_on, run, set_threads
+from inferno.cli.common import console, default_model, progress_on, run, set_threads, utf8, version_option
 from inferno.errors import InfernoError
 from inferno.kv import DEFAULT_DTYPE, DTYPES
 
@@ -65,6 +65,7 @@ def text_tokens(engine, text_file: str | None, tokens: int) -> tuple[list[int], 
               help="Decode steps averaged for the first/last forward columns.")
 @click.option("--threads", type=int, default=None)
 @click.option("--json", "as_json", is_flag=True)
+@version_option()
 def command(model, prompt, depth, new_tokens, modes, kv_dtypes, fidelity, text_file, tokens, window, threads,
             as_json):
     """Show what a KV cache buys: per-forward time climbs without one and stays flat with one.
@@ -92,7 +93,7 @@ def command(model, prompt, depth, new_tokens, modes, kv_dtypes, fidelity, text_f
         ids, _ = text_tokens(engine, text_file, 2)
         prompt_ids = (ids * (depth // len(ids) + 1))[:depth]
     else:
-        prompt_ids = engine.tokenizer.encode(prompt)
+        prompt_ids = engine.tokenizer.encode(utf8("--prompt", prompt))
     results = run_modes(engine, prompt_ids, new_tokens, chosen, dtypes)
     rows = {mode: summary_row(r["metrics"], window) for mode, r in results.items()}
     same = len({tuple(r["token_ids"]) for r in results.values()}) == 1

@@ -11,12 +11,13 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from inferno.cli.common import console, run
+from inferno.cli.common import console, run, version_option
 from inferno.deploy import Devices, devices, engine_plans, limiting, plan_stages
 from inferno.errors import InfernoError
 from inferno.hf_config import HFModel, Weights, read_hf_config
 from inferno.memcalc import (
     DTYPES,
+    MAX_LAYERS,
     DType,
     KVShape,
     ModelInfo,
@@ -51,9 +52,12 @@ def both(n: int) -> str:
 
 
 class PositiveInt(click.ParamType):
-    """A whole number of at least 1, with a plainer message than click's IntRange."""
+    """A whole number of at least 1 (and at most `maximum`), with a plainer message than click's IntRange."""
 
     name = "N"
+
+    def __init__(self, maximum: int | None = None) -> None:
+        self.maximum = maximum
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         try:
@@ -62,6 +66,8 @@ class PositiveInt(click.ParamType):
             self.fail(f"{value!r} is not a whole number", param, ctx)
         if number < 1:
             self.fail(f"must be at least 1, got {number}", param, ctx)
+        if self.maximum is not None and number > self.maximum:
+            self.fail(f"must be at most {self.maximum:,}, got {number:,}", param, ctx)
         return number
 
 
@@ -73,7 +79,15 @@ def read_model(path: str) -> tuple[ModelInfo, Weights]:
     from inferno.gguf_file import metadata, open_gguf
 
     reader = open_gguf(path)
-    info = model_info(lambda key: metadata(reader, key))
+
+    def get(key: str) -> Any:
+        # Every key model_info reads is a count (or one per layer) but the architecture's name.
+        value = metadata(reader, key)
+        if isinstance(value, (str, float)) and key != "general.architecture":
+            raise InfernoError(f"GGUF metadata {key} should be an integer, not {value!r}"[:160])
+        return value
+
+    info = model_info(get)
     return info, gguf_weights(reader, info.layers)
 
 
@@ -110,7 +124,7 @@ class Fraction(click.ParamType):
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--model", "model_path", metavar="FILE.gguf", help="Read the shape from a GGUF's metadata.")
 @click.option("--config", "config_path", metavar="FILE", help="Read the shape from a HF config.json.")
-@click.option("--layers", type=POSITIVE, help="Transformer layers (blocks).")
+@click.option("--layers", type=PositiveInt(MAX_LAYERS), help="Transformer layers (blocks).")
 @click.option("--kv-heads", type=POSITIVE, help="Key/value heads per layer.")
 @click.option("--head-dim", type=POSITIVE, help="Values per head  [default: 128, or the model's]")
 @click.option("--heads", type=POSITIVE, help="Query heads: also show what multi-head attention would need.")
@@ -167,6 +181,7 @@ class Fraction(click.ParamType):
 )
 @click.option("--weights", "weights_size", metavar="SIZE", help="Total weight bytes: skip counting.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@version_option()
 def command(
     model_path: str | None,
     config_path: str | None,
