@@ -126,7 +126,7 @@ def test_bad_settings_are_refused(options, message):
 
 
 def test_window_options_are_refused_for_other_kinds():
-    with pytest.raises(InfernoError, match="apply to a window cache, not to 'prealloc'"):
+    with pytest.raises(InfernoError, match="window do not apply to a 'prealloc' cache"):
         make_cache("prealloc", GEOMETRY, 64, window=8)
 
 

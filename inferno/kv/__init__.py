@@ -4,6 +4,8 @@ that knows the kinds. `--kv` choices, kv-bench's modes and kv-memcalc all read `
 
 from __future__ import annotations
 
+import inspect
+
 from inferno.errors import InfernoError
 from inferno.kv.base import KVCache, KVCacheFullError
 from inferno.kv.basic import BasicKVCache
@@ -39,7 +41,9 @@ def make_cache(
     """A cache of kind `kind` holding rows of element type `dtype`, for `capacity` tokens of a model with
     this geometry; options are the kind's own (window: `window`, `sinks`, `positions`, `rotary`; paged:
     `block_size`)."""
-    return cache_class(kind)(geometry, capacity, dtype=dtype, **options)
+    cls = cache_class(kind)
+    _check_options(cls, cls.__init__, options)
+    return cls(geometry, capacity, dtype=dtype, **options)
 
 
 def planned_nbytes(
@@ -47,4 +51,13 @@ def planned_nbytes(
 ) -> int:
     """Bytes `make_cache(kind, geometry, capacity, dtype, **options)` allocates for keys and values
     (what kv-memcalc prints)."""
-    return cache_class(kind).planned_nbytes(geometry, capacity, dtype=dtype, **options)
+    cls = cache_class(kind)
+    _check_options(cls, cls.planned_nbytes, {k: v for k, v in options.items() if k != "rotary"})
+    return cls.planned_nbytes(geometry, capacity, dtype=dtype, **options)
+
+
+def _check_options(cls: type[KVCache], method, options: dict) -> None:
+    """Options a kind does not take are refused by name (window's `window` given to prealloc, say)."""
+    unknown = [name for name in options if name not in inspect.signature(method).parameters]
+    if unknown:
+        raise InfernoError(f"{', '.join(unknown)} do not apply to a {cls.kind!r} cache")
