@@ -1,19 +1,15 @@
-#!/usr/bin/env python3
 """Decode attention over a 2048-position cache of SmolLM2's shape, for every KV element type, in one
 process: the rows are written once, then each type attends with the same query over all 30 layers,
 round by round (interleaved), and the min and median of 5 rounds are printed."""
 
 import os
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")  # as the commands do
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from inferno.kv import DTYPES, KVGeometry, make_cache  # noqa: E402
+from inferno.kv import DTYPES, KVGeometry, make_cache
 
 GEOMETRY = KVGeometry(layers=30, kv_heads=3, heads=9, head_dim=64)
 DEPTH, ROUNDS = 2048, 5
