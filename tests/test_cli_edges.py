@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, ROOT
+from conftest import FIXTURES
 
 from inferno.cli import generate, inspect, kv_bench, memcalc
 from inferno.sampling import Sampler
@@ -35,7 +35,8 @@ def assert_refused(result, prog: str, *fragments: str) -> None:
 
 
 def command(name: str) -> list[str]:
-    return [str(ROOT / "bin" / name)]
+    """The installed console script, beside the interpreter running the tests (the venv's bin/)."""
+    return [str(Path(sys.executable).parent / name)]
 
 
 # -- what a script captures ---------------------------------------------------------------------
