@@ -97,8 +97,8 @@ def bench_table(rows: dict[str, dict], prompt_tokens: int, new_tokens: int, wind
 
 
 def sweep_table(rows: list[dict], prompt_tokens: int, new_tokens: int, block_size: int) -> Table:
-    title = (f"batch sweep: one {prompt_tokens}-token prompt prefilled once, B greedy sequences x "
-             f"{new_tokens} new tokens, blocks of {block_size}")
+    title = (f"batch sweep: {prompt_tokens}-token prompt prefilled once, B sequences x {new_tokens} "
+             f"greedy tokens, blocks of {block_size}")
     table = Table(title=title, title_justify="left")
     for name in ("B", "decode tok/s", "per seq tok/s", "step ms", "prompt K/V", "peak cache", "unshared"):
         table.add_column(name, justify="right")
