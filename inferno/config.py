@@ -78,50 +78,62 @@ class ModelConfig:
             supported = ", ".join(ARCHITECTURES)
             raise InfernoError(f"unsupported architecture {arch!r} (supported: {supported})")
 
-        def need(key: str):
-            value = metadata(reader, f"{arch}.{key}")
-            if value is None:
-                raise InfernoError(f"GGUF metadata is missing {arch}.{key}")
-            if isinstance(value, list):
-                raise InfernoError(f"per-layer {arch}.{key} is not supported")
-            return value
+        def value(key: str, kind: type, default=None):
+            found = metadata(reader, f"{arch}.{key}", kind=kind)
+            return default if found is None else found
 
-        hidden = int(need("embedding_length"))
-        n_heads = int(need("attention.head_count"))
-        n_kv_heads = int(metadata(reader, f"{arch}.attention.head_count_kv", n_heads))
-        head_dim = int(metadata(reader, f"{arch}.attention.key_length", hidden // n_heads))
-        if n_heads % n_kv_heads:
-            raise InfernoError(f"{n_heads} query heads are not a multiple of {n_kv_heads} KV heads")
-        scaling = metadata(reader, f"{arch}.rope.scaling.type", "none")
-        if scaling not in ("none", None):
+        def need(key: str, kind: type = int):
+            found = value(key, kind)
+            if found is None:
+                raise InfernoError(f"GGUF metadata is missing {arch}.{key}")
+            return found
+
+        def count(key: str, default: int | None = None, derived: str = "") -> int:
+            """A size: a whole number of at least 1, so no later division or shape can be empty.
+            Absent, it is `default` (described by `derived`); with no default it is required."""
+            n = value(key, int)
+            if n is None and default is None:
+                raise InfernoError(f"GGUF metadata is missing {arch}.{key}")
+            if n is None:
+                n, key = default, f"{key} ({derived})"
+            if n < 1:
+                raise InfernoError(f"GGUF metadata {arch}.{key} is {n}, must be at least 1")
+            return n
+
+        hidden = count("embedding_length")
+        n_heads = count("attention.head_count")
+        if value("attention.key_length", int) is None and hidden % n_heads:
+            raise InfernoError(f"{arch}.embedding_length {hidden} does not split into {n_heads} heads "
+                               f"(and there is no {arch}.attention.key_length)")
+        head_dim = count("attention.key_length", hidden // n_heads, "embedding_length / head_count")
+        if value("attention.value_length", int, head_dim) != head_dim:
+            raise InfernoError(f"{arch}.attention.value_length differs from the key length {head_dim}")
+        scaling = value("rope.scaling.type", str, "none")
+        if scaling != "none":
             raise InfernoError(f"RoPE scaling {scaling!r} is not supported")
-        tensor_names = {t.name for t in reader.tensors}
-        vocab = metadata(reader, f"{arch}.vocab_size")
-        if vocab is None:
-            vocab = next(int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight")
-        n_layers = int(need("block_count"))
-        rope_base = float(metadata(reader, f"{arch}.rope.freq_base", 10000.0))
-        extra = (
-            _gemma3(n_layers, hidden, rope_base, int(need("attention.sliding_window")))
-            if arch == "gemma3"
-            else {}
-        )
+        tensors = {t.name: t for t in reader.tensors}
+        embedding = tensors.get("token_embd.weight")
+        vocab_rows = int(embedding.shape[-1]) if embedding is not None else None
+        n_layers = count("block_count")
+        rope_base = value("rope.freq_base", float, 10000.0)
+        window = count("attention.sliding_window") if arch == "gemma3" else 0
+        extra = _gemma3(n_layers, hidden, rope_base, window) if arch == "gemma3" else {}
         return cls(
             architecture=arch,
             n_layers=n_layers,
             n_heads=n_heads,
-            n_kv_heads=n_kv_heads,
+            n_kv_heads=count("attention.head_count_kv", n_heads, "head_count"),
             head_dim=head_dim,
             hidden_size=hidden,
-            ffn_size=int(need("feed_forward_length")),
-            vocab_size=int(vocab),
+            ffn_size=count("feed_forward_length"),
+            vocab_size=count("vocab_size", vocab_rows, "rows of token_embd.weight"),
             rope_base=rope_base,
-            rope_dim=int(metadata(reader, f"{arch}.rope.dimension_count", head_dim)),
-            rms_eps=float(need("attention.layer_norm_rms_epsilon")),
-            context_length=int(need("context_length")),
-            tied_embeddings="output.weight" not in tensor_names,
-            bos_id=metadata(reader, "tokenizer.ggml.bos_token_id"),
-            eos_id=metadata(reader, "tokenizer.ggml.eos_token_id"),
+            rope_dim=count("rope.dimension_count", head_dim, "key_length"),
+            rms_eps=need("attention.layer_norm_rms_epsilon", float),
+            context_length=count("context_length"),
+            tied_embeddings="output.weight" not in tensors,
+            bos_id=metadata(reader, "tokenizer.ggml.bos_token_id", kind=int),
+            eos_id=metadata(reader, "tokenizer.ggml.eos_token_id", kind=int),
             **ARCHITECTURES[arch],
             **extra,
         )

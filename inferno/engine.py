@@ -10,7 +10,7 @@ the Python API the commands are thin users of:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from time import perf_counter
 
@@ -20,13 +20,15 @@ from inferno.config import ModelConfig
 from inferno.errors import InfernoError
 from inferno.generate import Generation, stream_generate
 from inferno.gguf_file import open_gguf
-from inferno.kv import KVCache, make_cache
+from inferno.kv import DEFAULT_DTYPE, KVCache, cache_class, make_cache
 from inferno.metrics import RunRecord, Startup
 from inferno.model import Transformer
+from inferno.output_text import OutputText
 from inferno.quant import MATMUL_MIN_ROWS
 from inferno.sampling import Sampler
 from inferno.snapshot import model_fingerprint
-from inferno.tokenizer import GGUFTokenizer, StreamDecoder
+from inferno.tokenizer import GGUFTokenizer
+from inferno.validate import check_logits, refusing_non_finite
 
 # progress("loading model.gguf") returns a context manager around that step (a spinner, a log line).
 Progress = Callable[[str], AbstractContextManager]
@@ -61,19 +63,40 @@ class Engine:
 
     def make_cache(
         self, kind: str | None, prompt_tokens: int, new_tokens: int, max_context: int | None = None,
-        **options,
+        dtype: str = DEFAULT_DTYPE, **options
     ) -> KVCache | None:
         """The cache for a request (None: no cache), refusing before any work a request that cannot fit.
-        options: the kind's own (paged: block_size)."""
+
+        dtype: the element type of its rows (`inferno.kv.dtypes`); options: the kind's own (window:
+        `window`, `sinks`, `positions`; paged: `block_size`). A kind that evicts holds what it can and
+        runs past the model's context in its sliding layers; its global layers, if any, hold up to
+        --max-context (default: the model's context).
+        """
         context = self.config.context_length
         needed = prompt_tokens + new_tokens
         if prompt_tokens == 0:
             raise InfernoError("the prompt is empty (0 tokens)")
+        if kind is not None and cache_class(kind).evicts:
+            capacity = max_context or context
+            if capacity > context:
+                raise InfernoError(
+                    f"a cache of {capacity} tokens is more than the model's context of {context}"
+                )
+            rotary = self.model.layer_rotary
+            cache = make_cache(kind, self.config.kv_geometry, capacity, dtype, rotary=rotary, **options)
+            if None in cache.geometry.windows and needed > capacity:
+                raise InfernoError(
+                    f"prompt of {prompt_tokens} tokens + {new_tokens} new tokens = {needed}, more than the "
+                    f"{capacity} tokens the model's global layers can hold"
+                )
+            return cache
         if prompt_tokens > context:
             raise InfernoError(
                 f"prompt of {prompt_tokens} tokens is longer than the model's context of {context}"
             )
         if kind is None:
+            if dtype != DEFAULT_DTYPE:
+                raise InfernoError(f"a {dtype} element type needs a KV cache, and none was asked for")
             if needed > context:
                 raise InfernoError(
                     f"prompt of {prompt_tokens} tokens + {new_tokens} new tokens = {needed}, "
@@ -90,13 +113,19 @@ class Engine:
                 f"prompt of {prompt_tokens} tokens + {new_tokens} new tokens = {needed}, "
                 f"more than the cache's {capacity} tokens"
             )
-        return make_cache(kind, self.config.kv_geometry, capacity, **options)
+        return make_cache(kind, self.config.kv_geometry, capacity, dtype, **options)
 
     # -- the Python API ------------------------------------------------------------------------
 
-    def prompt_text(self, prompt: str, chat: bool = False) -> str:
-        """What the tokenizer is given: the prompt, or with `chat` the model's chat template around it."""
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+    def prompt_text(self, prompt: str, chat: bool = False, system: str | None = None) -> str:
+        """What the tokenizer is given: the prompt, or with `chat` the model's chat template around it
+        (and the `system` message before it)."""
+        if not chat:
+            if system is not None:
+                raise InfernoError("a system message needs the chat template (--chat)")
+            return prompt
+        messages = [{"role": "system", "content": system}] if system is not None else []
+        return self.tokenizer.apply_chat_template([*messages, {"role": "user", "content": prompt}])
 
     def start(
         self,
@@ -104,50 +133,78 @@ class Engine:
         max_new_tokens: int,
         kv: str | None = "prealloc",
         sampler: Sampler | None = None,
+        kv_dtype: str = DEFAULT_DTYPE,
         max_context: int | None = None,
         cache: KVCache | None = None,
         ignore_eos: bool = False,
+        **cache_options,
     ) -> Iterator[Generation]:
         """stream_generate on this model: the same live Generation after each new token.
 
         cache: a cache already holding a prefix of prompt_ids (a loaded snapshot); else one of kind
-        `kv` is made for the request (None: no cache, the naive path).
+        `kv` with rows of element type `kv_dtype` is made for the request (None: no cache, the naive path)
+        with cache_options (`window=256`).
         """
         if cache is None:
-            cache = self.make_cache(kv, len(prompt_ids), max_new_tokens, max_context)
+            cache = self.make_cache(kv, len(prompt_ids), max_new_tokens, max_context, kv_dtype,
+                                    **cache_options)
         is_stop = (lambda _: False) if ignore_eos else self.tokenizer.is_stop
         return stream_generate(self.model, prompt_ids, max_new_tokens, sampler or Sampler(), cache, is_stop)
 
-    def stream(self, prompt: str, max_new_tokens: int = 32, chat: bool = False, **options) -> Iterator[str]:
-        """The generated text, piece by piece as tokens come (options: those of `start`)."""
-        decoder = StreamDecoder(self.tokenizer)
-        prompt_ids = self.tokenizer.encode(self.prompt_text(prompt, chat))
+    def start_text(
+        self, prompt_ids: list[int], max_new_tokens: int, output: OutputText, **options
+    ) -> Iterator[tuple[Generation, str]]:
+        """`start`, with the text: after each token, the live Generation and the text that can now be
+        shown; it ends at a stop token or one of `output`'s stop strings (finish_reason "stop")."""
+        is_stop = (lambda _: False) if options.get("ignore_eos") else self.tokenizer.is_stop
         for generation in self.start(prompt_ids, max_new_tokens, **options):
-            yield decoder.add(generation.token_ids[-1])
-        yield decoder.flush()
+            token = generation.token_ids[-1]
+            piece = output.add(token, is_stop(token))
+            if output.stopped:
+                generation.finish_reason = "stop"
+            yield generation, piece
+            if output.stopped:
+                return
 
-    def generate(self, prompt: str, max_new_tokens: int = 32, chat: bool = False, **options) -> RunRecord:
-        """Generate to the end and return the run's record: text, ids, metrics."""
-        text = self.prompt_text(prompt, chat)
+    def stream(self, prompt: str, max_new_tokens: int = 32, chat: bool = False, system: str | None = None,
+               stop: Sequence[str] = (), **options) -> Iterator[str]:
+        """The generated text, piece by piece as tokens come (options: those of `start`); it ends
+        before a stop token or any of the `stop` strings."""
+        output = OutputText(self.tokenizer, stop)
+        prompt_ids = self.tokenizer.encode(self.prompt_text(prompt, chat, system))
+        for _, piece in self.start_text(prompt_ids, max_new_tokens, output, **options):
+            yield piece
+        yield output.flush()
+
+    def generate(self, prompt: str, max_new_tokens: int = 32, chat: bool = False, system: str | None = None,
+                 stop: Sequence[str] = (), **options) -> RunRecord:
+        """Generate to the end (or a stop string) and return the run's record: text, ids, metrics."""
+        text = self.prompt_text(prompt, chat, system)
+        output = OutputText(self.tokenizer, stop)
         t0 = perf_counter()
-        *_, generation = self.start(self.tokenizer.encode(text), max_new_tokens, **options)
-        return self.record(generation, text, (perf_counter() - t0) * 1000)
+        *_, (generation, _) = self.start_text(self.tokenizer.encode(text), max_new_tokens, output, **options)
+        output.flush()
+        return self.record(generation, text, (perf_counter() - t0) * 1000, output=output)
 
     def record(
-        self, generation: Generation, prompt: str, wall_ms: float, load_cache_ms: float | None = None
+        self, generation: Generation, prompt: str, wall_ms: float, load_cache_ms: float | None = None,
+        output: OutputText | None = None,
     ) -> RunRecord:
-        """The record of a finished (or interrupted) generation of `prompt` on this engine."""
+        """The record of a finished (or interrupted) generation of `prompt` on this engine; `output`:
+        its text as shown (without a stop token, cut before a stop string), else all its tokens'."""
+        token_ids = output.token_ids if output is not None else generation.token_ids
         return RunRecord(
             model=self.path,
             prompt=prompt,
             prompt_ids=generation.prompt_ids,
-            token_ids=generation.token_ids,
-            text=self.tokenizer.decode(generation.token_ids),
+            token_ids=token_ids,
+            text=output.text if output is not None else self.tokenizer.decode(token_ids),
             finish_reason=generation.finish_reason,
             metrics=generation.metrics,
             startup=self.startup,
             wall_ms=wall_ms,
             load_cache_ms=load_cache_ms,
+            stopped_by=output.stopped_by if output is not None else None,
         )
 
 
@@ -167,6 +224,8 @@ def warm_up(model: Transformer) -> None:
     """Run every kernel once so the first timed forward measures work, not compiling: a prompt just
     long enough to take prefill's BLAS path, then one decode step."""
     n = MATMUL_MIN_ROWS
+    tokens = np.arange(n + 1) % model.config.vocab_size  # any ids the embedding has
     cache = make_cache("basic", model.config.kv_geometry, n + 1)
-    model.prefill(np.arange(n), cache)
-    model.decode(n, n, cache)
+    with refusing_non_finite(n):
+        check_logits(model.prefill(tokens[:n], cache), n - 1)
+        check_logits(model.decode(int(tokens[n]), n, cache), n)

@@ -12,6 +12,7 @@ from inferno.kv import KVCache
 from inferno.metrics import Metrics
 from inferno.model import Transformer
 from inferno.sampling import Sampler
+from inferno.validate import check_logits, refusing_non_finite
 
 
 @dataclass
@@ -44,14 +45,18 @@ def stream_generate(
     metrics = Metrics(prompt_tokens=len(ids), prefilled_tokens=len(ids) - start)
     if cache is not None:
         metrics.cache, metrics.cache_capacity = cache.kind, cache.capacity
+        metrics.cache_dtype = cache.dtype.name
     generation = Generation(list(prompt_ids), [], metrics)
 
     def timed(forward: Callable[..., np.ndarray], *args) -> np.ndarray:
         t = perf_counter()
-        logits = forward(*args)
+        with refusing_non_finite(len(ids) - 1):
+            logits = forward(*args)
         metrics.per_forward_ms.append((perf_counter() - t) * 1000)
         if cache is not None:
             metrics.cache_bytes = cache.nbytes
+            metrics.evicted_tokens = cache.evicted_tokens
+        check_logits(logits, len(ids) - 1)
         return logits
 
     t0 = perf_counter()

@@ -41,6 +41,11 @@ class _PlainMapReader(GGUFReader):
         alen = self._get(orig_offs + 4, np.uint64)
         itype, count, offs = GGUFValueType(raw_itype[0]), int(alen[0]), orig_offs + 12
         parts: list[np.ndarray] = [raw_itype, alen]
+        scalar = self.gguf_scalar_to_np.get(itype)
+        # Every item takes at least a byte (a string, its 8-byte length): a count beyond what the file
+        # holds is corrupt, and looping over it would build billions of empty parts.
+        if count * (np.dtype(scalar).itemsize if scalar else 8) > len(self._data) - offs:
+            raise ValueError(f"an array of {count} items runs past the end of the file")
         if itype == GGUFValueType.STRING:
             data = self._data
             for _ in range(count):
@@ -49,7 +54,6 @@ class _PlainMapReader(GGUFReader):
                 parts += (length, data[offs + 8 : end])
                 offs = end
             return offs - orig_offs, parts, list(range(3, 2 + 2 * count, 2)), [GGUFValueType.ARRAY, itype]
-        scalar = self.gguf_scalar_to_np.get(itype)
         if scalar is None:  # arrays of arrays
             return super()._get_field_parts(orig_offs, raw_type)
         values = self._get(offs, scalar, count)
@@ -64,11 +68,14 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
         raise InfernoError(f"{path}: no such file")
     if path.is_dir():
         raise InfernoError(f"{path}: is a directory, not a GGUF file")
-    size = path.stat().st_size
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as exc:  # unreadable: permissions, a FIFO gone away, an I/O error
+        raise InfernoError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if size == 0:
         raise InfernoError(f"{path}: file is empty")
-    with path.open("rb") as f:
-        magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise InfernoError(f"{path}: not a GGUF file (it does not start with the GGUF magic bytes)")
     try:
@@ -81,16 +88,57 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
     return reader
 
 
-def metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    """The value stored under `key` (a Python scalar, str or list), or `default` when absent."""
+def metadata(reader: GGUFReader, key: str, default: Any = None, kind: type | None = None) -> Any:
+    """The value stored under `key` (a Python scalar, str or list), or `default` when absent.
+
+    kind (int, float, str or bool): the type the value must have; an int is accepted as a float.
+    """
     field = reader.get_field(key)
     if field is None:
         return default
-    return field.contents()
+    try:
+        value = field.contents()
+    except UnicodeDecodeError:
+        raise InfernoError(f"GGUF metadata {key} holds text that is not valid UTF-8") from None
+    if kind is None:
+        return value
+    accepted = (int, float) if kind is float else kind
+    if not isinstance(value, accepted) or (isinstance(value, bool) and kind is not bool):
+        raise InfernoError(f"GGUF metadata {key} should be {KIND_NAMES[kind]}, not {_describe(value)}")
+    return kind(value)
+
+
+KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+_KIND_OF_TYPE = {
+    **dict.fromkeys((GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
+                     GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64),
+                    int),
+    GGUFValueType.FLOAT32: float, GGUFValueType.FLOAT64: float, GGUFValueType.BOOL: bool,
+    GGUFValueType.STRING: str,
+}
+
+
+def metadata_list(reader: GGUFReader, key: str, item: type) -> list | None:
+    """The array stored under `key`, whose items must be of kind `item` (int, float, str or bool);
+    None when absent. Checked on the array's declared item type, not item by item."""
+    field = reader.get_field(key)
+    if field is None:
+        return None
+    types = list(field.types)
+    if types[:1] != [GGUFValueType.ARRAY] or len(types) != 2 or _KIND_OF_TYPE.get(types[1]) is not item:
+        raise InfernoError(f"GGUF metadata {key} should be a list of {item.__name__}, not "
+                           f"{'/'.join(t.name.lower() for t in types)}")
+    return metadata(reader, key)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, list):
+        return f"a list of {len(value)}"
+    return f"{type(value).__name__} {value!r}"[:80]
 
 
 def architecture(reader: GGUFReader) -> str:
-    arch = metadata(reader, "general.architecture")
-    if not isinstance(arch, str):
+    arch = metadata(reader, "general.architecture", kind=str)
+    if arch is None:
         raise InfernoError("GGUF metadata has no general.architecture")
     return arch

@@ -10,6 +10,7 @@ numpy's BLAS.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from llvmlite import ir
@@ -95,6 +96,26 @@ def rope(x: np.ndarray, start_pos: int, n_heads: int, inv_freq: np.ndarray, neox
 
 
 @njit(cache=True, fastmath=True)
+def rope_at(x: np.ndarray, positions: np.ndarray, n_heads: int, inv_freq: np.ndarray, neox: bool) -> None:
+    """RoPE in place, row t of x [T, n_heads * head_dim] by the angles of positions[t] (int64, may be
+    negative). Rotations compose: rotating a row already at position p by d puts it at p + d."""
+    for t in range(x.shape[0]):
+        rope_single_row(x[t], positions[t], n_heads, inv_freq, neox)
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """A model's RoPE, for a cache that moves keys (or queries) to other positions."""
+
+    inv_freq: np.ndarray  # float32 [rope_dim / 2]
+    neox: bool
+
+    def rotate(self, x: np.ndarray, n_heads: int, positions: np.ndarray) -> None:
+        """Rotate row t of x [T, n_heads * head_dim] in place by positions[t] positions."""
+        rope_at(x, positions.astype(np.int64), n_heads, self.inv_freq, self.neox)
+
+
+@njit(cache=True, fastmath=True)
 def rms_norm_heads(x: np.ndarray, n_heads: int, weight: np.ndarray, eps: float) -> None:
     """RMSNorm over each head of each row of x [T, n_heads * head_dim], in place (qwen3's q/k norm)."""
     head_dim = weight.shape[0]
@@ -169,15 +190,19 @@ def attend_span(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: in
                 for j in range(head_dim):
                     acc += qh[j] * kh[j]
                 weights[h, s] = acc * scale
-    for h in range(n_heads):
-        wh = weights[h, :n_pos]
-        top = wh.max()
-        total = np.float32(0.0)
-        for s in range(n_pos):
-            wh[s] = exp_f32(wh[s] - top)
-            total += wh[s]
-        stats[h, 0] = top
-        stats[h, 1] = total
+    mix_span(weights, values, n_heads, out, stats)
+
+
+@njit(cache=True, fastmath=True)
+def mix_span(weights: np.ndarray, values: np.ndarray, n_heads: int, out: np.ndarray,
+             stats: np.ndarray) -> None:
+    """The second half of attend_span, given the span's scaled scores weights [heads, n_pos]: the
+    unnormalised softmax of each head's scores (and its stats) and the values mixed by it."""
+    n_pos, kv_width = values.shape
+    head_dim = out.shape[0] // n_heads
+    n_kv = kv_width // head_dim
+    group = n_heads // n_kv
+    softmax_span(weights, n_pos, stats)
     out[:] = 0.0
     for s in range(n_pos):
         for g in range(n_kv):
@@ -189,6 +214,20 @@ def attend_span(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: in
                     oh[j] += w * vh[j]
 
 
+@njit(cache=True, fastmath=True)
+def softmax_span(weights: np.ndarray, n_pos: int, stats: np.ndarray) -> None:
+    """exp(score - max) of each head's first n_pos scores in place, stats[h] = (max, sum)."""
+    for h in range(weights.shape[0]):
+        wh = weights[h, :n_pos]
+        top = wh.max()
+        total = np.float32(0.0)
+        for s in range(n_pos):
+            wh[s] = exp_f32(wh[s] - top)
+            total += wh[s]
+        stats[h, 0] = top
+        stats[h, 1] = total
+
+
 @njit(cache=True, fastmath=True, parallel=True)
 def attention_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: int) -> np.ndarray:
     """One query token against every cached position, grouped-query heads; no mask is needed.
@@ -198,7 +237,6 @@ def attention_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_head
     partial softmaxes are then rescaled to the global maximum and summed.
     """
     n_pos = keys.shape[0]
-    head_dim = q.shape[0] // n_heads
     n_spans = (n_pos + DECODE_SPAN - 1) // DECODE_SPAN
     partial = np.empty((n_spans, q.shape[0]), np.float32)
     stats = np.empty((n_spans, n_heads, 2), np.float32)
@@ -206,7 +244,16 @@ def attention_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_head
         s0, s1 = c * DECODE_SPAN, min((c + 1) * DECODE_SPAN, n_pos)
         weights = np.empty((n_heads, s1 - s0), np.float32)
         attend_span(q, keys[s0:s1], values[s0:s1], n_heads, weights, partial[c], stats[c])
-    out = np.zeros_like(q)
+    return combine_spans(partial, stats, n_heads)
+
+
+@njit(cache=True, fastmath=True)
+def combine_spans(partial: np.ndarray, stats: np.ndarray, n_heads: int) -> np.ndarray:
+    """The attention output from spans' unnormalised parts partial [spans, heads * head_dim] and their
+    stats [spans, heads, (max score, sum of exp)]: each rescaled to the global maximum, summed, normalised."""
+    n_spans, width = partial.shape
+    head_dim = width // n_heads
+    out = np.zeros(width, np.float32)
     for h in range(n_heads):
         top = stats[0, h, 0]
         for c in range(1, n_spans):
@@ -314,5 +361,56 @@ def attention_prefill(
         scores = np.matmul(q_heads, k_heads[:, :, first:visible]) * scale
         causal_softmax(scores, n, first_pos + t0 - first, window or 0)
         mixed = np.matmul(scores, v_heads[:, first:visible])  # [n_kv, group * n, D]
+        out[t0:t1] = mixed.reshape(n_kv, group, n, head_dim).transpose(2, 0, 1, 3).reshape(n, -1)
+    return out
+
+
+def attention_window(
+    q: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    key_pos: np.ndarray,
+    first_pos: int,
+    n_heads: int,
+    window: int,
+    sinks: int,
+    q_sinks: np.ndarray | None = None,
+    block: int = 256,
+) -> np.ndarray:
+    """Sliding-window attention (StreamingLLM) of T queries at positions first_pos.. over rows held at
+    key_pos (any order): the query at t sees the keys at p <= t with p < sinks or p > t - window.
+
+    q [T, n_heads * head_dim]; keys, values [S, kv_width]; key_pos int [S]. q_sinks, when given,
+    replaces q in the scores against the sink rows (p < sinks): queries rotated to another position.
+    Queries go in blocks, each over only the keys some query of the block can see.
+    """
+    n_queries = q.shape[0]
+    kv_width = keys.shape[1]
+    head_dim = q.shape[1] // n_heads
+    n_kv = kv_width // head_dim
+    group = n_heads // n_kv
+    scale = np.float32(1.0 / math.sqrt(head_dim))
+    out = np.empty_like(q)
+
+    def by_head(x: np.ndarray, n: int) -> np.ndarray:  # [n, n_kv, group, D] -> [n_kv, group * n, D]
+        return x.reshape(n, n_kv, group, head_dim).transpose(1, 2, 0, 3).reshape(n_kv, group * n, head_dim)
+
+    for t0 in range(0, n_queries, block):
+        t1 = min(t0 + block, n_queries)
+        n = t1 - t0
+        q_at = first_pos + np.arange(t0, t1)
+        near = (key_pos < sinks) | ((key_pos > q_at[0] - window) & (key_pos <= q_at[-1]))
+        pos = key_pos[near]
+        k_heads = keys[near].reshape(-1, n_kv, head_dim).transpose(1, 2, 0)  # [n_kv, D, m]
+        v_heads = values[near].reshape(-1, n_kv, head_dim).transpose(1, 0, 2)  # [n_kv, m, D]
+        scores = np.matmul(by_head(q[t0:t1], n), k_heads) * scale  # [n_kv, group * n, m]
+        is_sink = pos < sinks
+        if q_sinks is not None and is_sink.any():
+            scores[:, :, is_sink] = np.matmul(by_head(q_sinks[t0:t1], n), k_heads[:, :, is_sink]) * scale
+        seen = (pos[None, :] <= q_at[:, None]) & (is_sink[None, :] | (pos[None, :] > q_at[:, None] - window))
+        scores = np.where(np.tile(seen, (group, 1))[None], scores, -np.inf)
+        scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        scores /= scores.sum(axis=-1, keepdims=True)
+        mixed = np.matmul(scores.astype(np.float32), v_heads)  # [n_kv, group * n, D]
         out[t0:t1] = mixed.reshape(n_kv, group, n, head_dim).transpose(2, 0, 1, 3).reshape(n, -1)
     return out

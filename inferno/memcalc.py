@@ -310,6 +310,9 @@ class ModelInfo:
     mla: bool = False  # head_dim is then the width of the latent row (kv_lora_rank + RoPE dims)
 
 
+MAX_LAYERS = 100_000  # far more than any model has; layers are counted one by one
+
+
 def model_info(get: Callable[[str], Any]) -> ModelInfo:
     """Read the KV-relevant hyperparameters; `get(key)` returns a metadata value or None."""
     arch = get("general.architecture")
@@ -320,8 +323,8 @@ def model_info(get: Callable[[str], Any]) -> ModelInfo:
         return get(f"{arch}.{name}")
 
     layers = key("block_count")
-    if not isinstance(layers, int) or layers < 1:
-        raise InfernoError(f"GGUF metadata has no usable {arch}.block_count")
+    if not isinstance(layers, int) or not 1 <= layers <= MAX_LAYERS:
+        raise InfernoError(f"GGUF metadata has no usable {arch}.block_count (1 to {MAX_LAYERS:,})")
     heads = _layer_values(key("attention.head_count"), layers, f"{arch}.attention.head_count")
     # llama.cpp's rule: without head_count_kv the model has as many KV heads as query heads.
     kv_heads = (

@@ -30,8 +30,10 @@ class Metrics:
     ttft_ms: float = 0.0
     decode_ms: float = 0.0  # from the first token out to the last
     cache: str | None = None  # the cache kind, None without a cache
+    cache_dtype: str | None = None  # the element type of its rows
     cache_bytes: int = 0
     cache_capacity: int = 0
+    evicted_tokens: int = 0  # positions a window cache no longer holds (it evicts instead of refusing)
 
     @property
     def prefill_ms(self) -> float | None:
@@ -69,8 +71,10 @@ class Metrics:
             "forward_ms_max": max(forwards, default=None),
             "forward_ms_mean": sum(forwards) / len(forwards) if forwards else None,
             "cache": self.cache,
+            "cache_dtype": self.cache_dtype,
             "cache_bytes": self.cache_bytes,
             "cache_capacity": self.cache_capacity,
+            "evicted_tokens": self.evicted_tokens,
         }
 
 
@@ -81,14 +85,15 @@ class RunRecord:
     model: str
     prompt: str  # the text given to the tokenizer (after the chat template, with --chat)
     prompt_ids: list[int]
-    token_ids: list[int]  # generated only
-    text: str  # of token_ids
-    finish_reason: str | None  # "stop" (end of sequence), "length" (max tokens), "interrupted"
+    token_ids: list[int]  # generated only, without the stop token that ended it
+    text: str  # of token_ids, cut where a stop string begins
+    finish_reason: str | None  # "stop" (a stop token or string), "length" (max tokens), "interrupted"
     metrics: Metrics
     startup: Startup
     wall_ms: float  # generating, from the prompt's first forward to the last token
     load_cache_ms: float | None = None  # reading a --load-cache snapshot
     token_log: list[TokenRecord] | None = None  # with --log-tokens
+    stopped_by: str | None = None  # the stop string, or stop token's text, that ended it (not in text)
 
     def to_json(self) -> dict:
         return {
@@ -100,6 +105,7 @@ class RunRecord:
             "text": self.text,
             "finish_reason": self.finish_reason,
             **({"token_log": [r.to_json() for r in self.token_log]} if self.token_log is not None else {}),
+            "stopped_by": self.stopped_by,
             "metrics": self.metrics.to_json()
             | {"wall_ms": self.wall_ms, "load_cache_ms": self.load_cache_ms,
                "load_ms": self.startup.load_ms, "jit_ms": self.startup.jit_ms},

@@ -24,8 +24,11 @@ from inferno.kv import KVCache
 from inferno.kv.batch import batch_of
 from inferno.quant import QuantizedMatrix, tensor_to_float32, uses_blas
 from inferno.quant_batch import batch_matmul
+from inferno.validate import check_finite_weights, check_model_file
 
 MatMul = Callable[[QuantizedMatrix, np.ndarray], np.ndarray]  # x [n, cols] -> [n, rows]
+
+PREFILL_CHUNK = 512  # tokens per forward when prefilling into a cache that evicts
 
 
 class Projections:
@@ -99,10 +102,12 @@ class Transformer:
         self.output = output
         bases = {base: rope_frequencies(config, base) for base in set(config.layer_rope_bases)}
         self.layer_inv_freq = [bases[base] for base in config.layer_rope_bases]
+        self.layer_rotary = [kernels.Rotary(f, config.rope_neox) for f in self.layer_inv_freq]
 
     @classmethod
     def from_gguf(cls, reader: GGUFReader) -> Transformer:
         config = ModelConfig.from_gguf(reader)
+        check_model_file(reader, config)
         tensors = {t.name: t for t in reader.tensors}
 
         def tensor(name: str):
@@ -139,13 +144,24 @@ class Transformer:
         ]
         embedding = matrix("token_embd.weight")
         output = embedding if config.tied_embeddings else matrix("output.weight")
-        return cls(config, embedding, layers, vector("output_norm.weight"), output)
+        model = cls(config, embedding, layers, vector("output_norm.weight"), output)
+        check_finite_weights(model)
+        return model
 
     # -- the two cached paths ------------------------------------------------------------------
 
-    def prefill(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
-        """Run `tokens` after the cache's committed tokens, store their K/V; logits of the last one."""
-        return self._forward_sequence(tokens, cache)
+    def prefill(self, tokens: np.ndarray, cache: KVCache, every_logit: bool = False) -> np.ndarray:
+        """Run `tokens` after the cache's committed tokens, store their K/V; logits of the last one
+        (every_logit: [T, vocab], one row per token, for teacher-forced scoring).
+
+        A cache that evicts takes the prompt in chunks of PREFILL_CHUNK, so a prompt of any length
+        (past the context, too) runs in bounded memory.
+        """
+        if not cache.evicts:
+            return self._forward_sequence(tokens, cache, every_logit)
+        chunks = [self._forward_sequence(tokens[i : i + PREFILL_CHUNK], cache, every_logit)
+                  for i in range(0, len(tokens), PREFILL_CHUNK)]
+        return np.concatenate(chunks) if every_logit else chunks[-1]
 
     def decode(
         self, token: int, pos: int, cache: KVCache, queries: list[np.ndarray] | None = None
@@ -200,7 +216,9 @@ class Transformer:
 
     # -- pieces --------------------------------------------------------------------------------
 
-    def _forward_sequence(self, tokens: np.ndarray, cache: KVCache | None) -> np.ndarray:
+    def _forward_sequence(
+        self, tokens: np.ndarray, cache: KVCache | None, every_logit: bool = False
+    ) -> np.ndarray:
         c = self.config
         start = cache.length if cache is not None else 0
         x = self._embed(np.asarray(tokens))
@@ -208,15 +226,15 @@ class Transformer:
             q, k, v = self._qkv(layer, kernels.rmsnorm(x, layer.attn_norm, c.rms_eps))
             kernels.rope(q, start, c.n_heads, self.layer_inv_freq[i], c.rope_neox)
             kernels.rope(k, start, c.n_kv_heads, self.layer_inv_freq[i], c.rope_neox)
-            if cache is not None:
-                cache.write(i, start, k, v)
-                k, v = cache.read(i, start + len(tokens))
-            attn = kernels.attention_prefill(q, k, v, c.n_heads, start, window=c.layer_windows[i])
+            if cache is None:
+                attn = kernels.attention_prefill(q, k, v, c.n_heads, start, window=c.layer_windows[i])
+            else:
+                attn = cache.attend_new(i, start, q, k, v)
             x = x + self._post_norm(layer.wo.matmul(attn), layer.post_attn_norm)
             x = x + self._mlp(layer, x)
         if cache is not None:
             cache.commit(len(tokens))
-        return self._logits(x[-1:])[0]
+        return self._logits(x) if every_logit else self._logits(x[-1:])[0]
 
     def _qkv(
         self, layer: Layer, h: np.ndarray, matmul: MatMul | None = None

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from inferno.errors import InfernoError
+
+# Below this, logits / temperature can overflow float64 (float32 logits reach 3.4e38); any temperature
+# this small already samples the argmax.
+MIN_TEMPERATURE = 1e-6
 
 
 @dataclass
@@ -20,8 +25,11 @@ class Sampler:
     rng: np.random.Generator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise InfernoError(f"--temperature must be 0 or more, got {self.temperature}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
+            raise InfernoError(f"--temperature must be 0 (greedy) or from {MIN_TEMPERATURE} up, "
+                               f"got {self.temperature}")
+        if self.seed is not None and self.seed < 0:
+            raise InfernoError(f"--seed must be 0 or more, got {self.seed}")
         if self.top_k < 0:
             raise InfernoError(f"--top-k must be 0 (off) or more, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:

@@ -8,7 +8,13 @@ prompt caches: safetensors, with the description in the JSON header's `__metadat
     values     float32 [layers, length, kv_width]
     token_ids  int32   [length]                     the token whose K and V each position holds
     __metadata__: format, version, architecture, layers, kv_heads, heads, head_dim,
-                  fingerprint (sha256 of the model), data_sha256 (sha256 of the three tensors)
+                  fingerprint (sha256 of the model), data_sha256 (sha256 of the three tensors),
+                  kv_dtype (the element type of the rows; absent means f32)
+
+A cache of another element type is saved as it stores its rows: keys and values are then uint8
+[layers, length, row_bytes] (q8_0: llama.cpp's blocks), so nothing is rounded twice. Loading into a
+cache of the same element type copies the rows; into another, they are decoded to float32 and the
+cache encodes them as it encodes any row.
 
 The fingerprint is the sha256 of, in order: the JSON (Python's json.dumps) of
 `[architecture, {"layers": L, "kv_heads": KV, "heads": H, "head_dim": D}]`; then for each tensor, in
@@ -21,11 +27,12 @@ were computed for: a snapshot is reused as a prefix, never shifted.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +43,7 @@ from safetensors.numpy import save
 from inferno.config import ModelConfig
 from inferno.errors import InfernoError
 from inferno.kv import KVCache, KVGeometry
+from inferno.kv.dtypes import F32, element_type
 
 FORMAT = "inferno-kv-snapshot"
 VERSION = 1
@@ -43,7 +51,7 @@ TENSORS = ("keys", "values", "token_ids")
 SAMPLE_BYTES = 64  # of each tensor's data in the fingerprint
 
 
-GEOMETRY_KEYS = tuple(field.name for field in fields(KVGeometry))
+GEOMETRY_KEYS = ("layers", "kv_heads", "heads", "head_dim")  # the shape; a model's windows go in `windows`
 
 
 def model_fingerprint(reader: GGUFReader) -> str:
@@ -55,7 +63,8 @@ def model_fingerprint(reader: GGUFReader) -> str:
     """
     config = ModelConfig.from_gguf(reader)
     digest = hashlib.sha256()
-    digest.update(json.dumps([config.architecture, asdict(config.kv_geometry)]).encode())
+    shape = {name: getattr(config.kv_geometry, name) for name in GEOMETRY_KEYS}
+    digest.update(json.dumps([config.architecture, shape]).encode())
     for tensor in reader.tensors:
         shape = [int(n) for n in tensor.shape]
         digest.update(f"\n{tensor.name} {shape} {tensor.tensor_type.name}\n".encode())
@@ -65,12 +74,18 @@ def model_fingerprint(reader: GGUFReader) -> str:
 
 @dataclass(frozen=True)
 class Snapshot:
-    keys: np.ndarray  # float32 [layers, length, kv_width]
+    keys: np.ndarray  # [layers, length, row]: float32 kv_width values, or the dtype's encoded row
     values: np.ndarray
     token_ids: np.ndarray  # int32 [length]
     architecture: str
     geometry: KVGeometry
     fingerprint: str
+    dtype: str = F32
+
+    def float_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values as float32 [layers, length, kv_width], decoded from their element type."""
+        t, g = element_type(self.dtype), self.geometry
+        return tuple(np.stack([t.decode(rows, g) for rows in stored]) for stored in (self.keys, self.values))
 
     @property
     def length(self) -> int:
@@ -93,7 +108,7 @@ class Snapshot:
             raise InfernoError("the KV cache is empty: there is nothing to save")
         if len(token_ids) < cache.length:
             raise ValueError(f"{len(token_ids)} token ids for a cache of {cache.length} tokens")
-        rows = [cache.read(layer) for layer in range(cache.n_layers)]
+        rows = [cache.stored_rows(layer) for layer in range(cache.n_layers)]
         return cls(
             keys=np.stack([k for k, _ in rows]),
             values=np.stack([v for _, v in rows]),
@@ -101,6 +116,7 @@ class Snapshot:
             architecture=config.architecture,
             geometry=config.kv_geometry,
             fingerprint=fingerprint,
+            dtype=cache.dtype.name,
         )
 
     def save(self, path: str | os.PathLike) -> None:
@@ -111,17 +127,22 @@ class Snapshot:
             "format": FORMAT,
             "version": str(VERSION),
             "architecture": self.architecture,
-            **{name: str(n) for name, n in asdict(self.geometry).items()},
+            **{name: str(getattr(self.geometry, name)) for name in GEOMETRY_KEYS},
+            **({"windows": _windows_text(self.geometry.windows)} if self.geometry.windows else {}),
             "fingerprint": self.fingerprint,
             "data_sha256": _data_sha256(tensors),
+            "kv_dtype": self.dtype,
         }
         data = save(tensors, metadata=metadata)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
             tmp.write_bytes(data)
             os.replace(tmp, path)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
+        except BaseException as exc:  # a full disk, a read-only directory, Ctrl-C: no temp file left
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            if not isinstance(exc, OSError):
+                raise
             raise InfernoError(f"cannot save the KV cache to {path}: {exc.strerror or exc}") from None
 
     @classmethod
@@ -143,19 +164,23 @@ class Snapshot:
                 f"{path}: snapshot format version {meta.get('version')}, this inferno reads version {VERSION}"
             )
         try:
-            geometry = KVGeometry(**{name: int(meta[name]) for name in GEOMETRY_KEYS})
+            windows = _windows_from_text(meta.get("windows", ""))
+            geometry = KVGeometry(**{name: int(meta[name]) for name in GEOMETRY_KEYS}, windows=windows)
             architecture, fingerprint = meta["architecture"], meta["fingerprint"]
             checksum = meta["data_sha256"]
-        except (KeyError, ValueError) as exc:
+            dtype = meta.get("kv_dtype", F32)
+            stored = element_type(dtype)
+            row_items = stored.row_items(geometry)
+        except (KeyError, ValueError, InfernoError) as exc:
             raise InfernoError(f"{path}: corrupt KV cache snapshot (missing or bad {exc})") from None
         keys, values, token_ids = (tensors[name] for name in TENSORS)
         length = token_ids.shape[0] if token_ids.ndim == 1 else -1
-        expected = (geometry.layers, length, geometry.kv_width)
+        expected = (geometry.layers, length, row_items)
         if (
             length < 1
             or token_ids.dtype != np.int32
-            or keys.dtype != np.float32
-            or values.dtype != np.float32
+            or keys.dtype != stored.storage
+            or values.dtype != stored.storage
             or keys.shape != expected
             or values.shape != expected
         ):
@@ -165,7 +190,7 @@ class Snapshot:
             )
         if _data_sha256(tensors) != checksum:
             raise InfernoError(f"{path}: corrupt KV cache snapshot (its data does not match its checksum)")
-        return cls(keys, values, token_ids, architecture, geometry, fingerprint)
+        return cls(keys, values, token_ids, architecture, geometry, fingerprint, dtype)
 
     def check_model(self, config: ModelConfig, fingerprint: str) -> None:
         """Refuse a model other than the one the snapshot was made with."""
@@ -185,7 +210,8 @@ class Snapshot:
         """Put the rows of the prompt's prefix into an empty cache; returns how many tokens it now holds.
 
         The prompt must begin with all the snapshot's tokens. When it is exactly those tokens, the
-        last one is left out: generating needs one forward for its logits.
+        last one is left out: generating needs one forward for its logits. Rows go in as stored when
+        the cache's element type is the snapshot's, else decoded and encoded again by the cache.
         """
         if cache.length:
             raise ValueError(f"restore into a cache that already holds {cache.length} tokens")
@@ -202,10 +228,21 @@ class Snapshot:
                 "it must begin with all of them (a snapshot saved after generating holds the new tokens too)"
             )
         n = min(self.length, len(prompt_ids) - 1)
+        same = cache.dtype.name == self.dtype
+        keys, values = (self.keys, self.values) if same else self.float_rows()
+        write = cache.write_stored if same else cache.write
         for layer in range(cache.n_layers):
-            cache.write(layer, 0, self.keys[layer, :n], self.values[layer, :n])
+            write(layer, 0, keys[layer, :n], values[layer, :n])
         cache.commit(n)
         return n
+
+
+def _windows_text(windows: tuple[int | None, ...]) -> str:
+    return ",".join("global" if w is None else str(w) for w in windows)
+
+
+def _windows_from_text(text: str) -> tuple[int | None, ...]:
+    return tuple(None if w == "global" else int(w) for w in text.split(",")) if text else ()
 
 
 def _data_sha256(tensors: dict[str, np.ndarray]) -> str:

@@ -22,7 +22,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from inferno.errors import InfernoError
-from inferno.gguf_file import metadata
+from inferno.gguf_file import metadata, metadata_list
 
 # tokenizer.ggml.token_type values
 CONTROL = 3
@@ -140,7 +140,7 @@ class GGUFTokenizer:
 
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader) -> GGUFTokenizer:
-        model = metadata(reader, "tokenizer.ggml.model")
+        model = metadata(reader, "tokenizer.ggml.model", kind=str)
         if model is None:
             raise InfernoError("GGUF has no tokenizer (tokenizer.ggml.model is missing)")
         if model not in ("gpt2", "llama"):
@@ -148,15 +148,15 @@ class GGUFTokenizer:
                 f"unsupported tokenizer model {model!r} "
                 "(supported: 'gpt2', byte-level BPE; 'llama', SentencePiece BPE)"
             )
-        tokens = metadata(reader, "tokenizer.ggml.tokens")
+        tokens = metadata_list(reader, "tokenizer.ggml.tokens", str)
         if not tokens:
             raise InfernoError("GGUF tokenizer has no tokens")
-        token_types = metadata(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+        token_types = metadata_list(reader, "tokenizer.ggml.token_type", int) or [1] * len(tokens)
         if len(token_types) != len(tokens):
             raise InfernoError("GGUF tokenizer has a different number of token types than tokens")
 
         def token_id(name: str) -> int | None:
-            value = metadata(reader, f"tokenizer.ggml.{name}_token_id")
+            value = metadata(reader, f"tokenizer.ggml.{name}_token_id", kind=int)
             return value if value is not None and 0 <= value < len(tokens) else None
 
         ids = {name: token_id(name) for name in ("bos", "eos", "unknown", "padding", "eot", "eom")}
@@ -184,11 +184,11 @@ class GGUFTokenizer:
             piece_bytes=piece_bytes,
             bos_id=ids["bos"],
             eos_id=ids["eos"],
-            add_bos=bool(metadata(reader, "tokenizer.ggml.add_bos_token", add_bos_default)),
-            add_eos=bool(metadata(reader, "tokenizer.ggml.add_eos_token", False)),
+            add_bos=metadata(reader, "tokenizer.ggml.add_bos_token", add_bos_default, kind=bool),
+            add_eos=metadata(reader, "tokenizer.ggml.add_eos_token", False, kind=bool),
             stop_ids=frozenset(stop_ids),
             special_tokens={var: tokens[i] for var, i in named.items()},
-            chat_template=metadata(reader, "tokenizer.chat_template"),
+            chat_template=metadata(reader, "tokenizer.chat_template", kind=str),
         )
 
     def encode(self, text: str) -> list[int]:
@@ -264,12 +264,12 @@ class StreamDecoder:
 def _byte_level_tokenizer(
     reader: gguf.GGUFReader, tokens: list[str]
 ) -> tuple[Tokenizer, Callable[[int], bytes]]:
-    pre = metadata(reader, "tokenizer.ggml.pre", "default")
+    pre = metadata(reader, "tokenizer.ggml.pre", "default", kind=str)
     if pre not in PRE_TOKENIZER_SPLITS:
         raise InfernoError(
             f"unsupported pre-tokenizer {pre!r} (supported: {', '.join(sorted(PRE_TOKENIZER_SPLITS))})"
         )
-    merges = metadata(reader, "tokenizer.ggml.merges")
+    merges = metadata_list(reader, "tokenizer.ggml.merges", str)
     if not merges:
         raise InfernoError("GGUF tokenizer has no merges")
     split = PRE_TOKENIZER_SPLITS[pre]
@@ -307,12 +307,12 @@ def _sentencepiece_tokenizer(
     A SentencePiece file lists no merges: a token merges from any two tokens that spell it, the
     better-ranked tokens first (by score; Gemma's by their order in the vocabulary).
     """
-    gemma = metadata(reader, "general.architecture") in _GEMMA_ARCHITECTURES
+    gemma = metadata(reader, "general.architecture", kind=str) in _GEMMA_ARCHITECTURES
     if gemma:  # Gemma writes its runs of spaces as real spaces; they are ▁▁... to the merges
         tokens = [SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
         priority = {token: -i for i, token in enumerate(tokens)}
     else:
-        scores = metadata(reader, "tokenizer.ggml.scores")
+        scores = metadata_list(reader, "tokenizer.ggml.scores", float)
         if scores is None or len(scores) != len(tokens):
             raise InfernoError("GGUF SentencePiece tokenizer has no score for every token")
         priority = dict(zip(tokens, scores, strict=True))
@@ -326,7 +326,7 @@ def _sentencepiece_tokenizer(
         byte_fallback=True,
     )
     tokenizer = Tokenizer(bpe)
-    add_prefix_space = bool(metadata(reader, "tokenizer.ggml.add_space_prefix", True)) and not gemma
+    add_prefix_space = metadata(reader, "tokenizer.ggml.add_space_prefix", True, kind=bool) and not gemma
     tokenizer.normalizer = normalizers.Replace(" ", SPACE)
     steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_prefix_space:  # Llama 2 style: a ▁ before the text (not after special tokens), dropped on decode

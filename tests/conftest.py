@@ -82,3 +82,20 @@ def run_main(monkeypatch, capsys) -> Callable[..., tuple[int, str, str]]:
         return code, out, err
 
     return run
+
+
+def greedy(engine, ids: list[int], n: int, mode: str = "prealloc") -> tuple[list[int], list]:
+    """n greedy tokens after ids with a cache of kind `mode`, and the logits each was chosen from."""
+    import numpy as np
+
+    from inferno.kv import make_cache
+
+    cache = make_cache(mode, engine.config.kv_geometry, len(ids) + n)
+    logits = engine.model.prefill(np.array(ids), cache)
+    out, seen = [], []
+    for _ in range(n):
+        seen.append(logits)
+        out.append(int(np.argmax(logits)))
+        if len(out) < n:
+            logits = engine.model.decode(out[-1], cache.length, cache)
+    return out, seen

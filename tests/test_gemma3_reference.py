@@ -13,9 +13,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import FIXTURES
-
-from inferno.kv import make_cache
+from conftest import FIXTURES, greedy
 
 REFERENCE = json.loads((FIXTURES / "hf_gemma3.json").read_text())
 ARRAYS = np.load(FIXTURES / "hf_gemma3.npz")
@@ -28,19 +26,6 @@ NAIVE_STEPS = 3  # steps of the no-cache path on the long prompt: each reruns ~7
 
 def prompt_ids(i: int) -> list[int]:
     return ARRAYS[f"prompt_ids_{i}"].tolist()
-
-
-def greedy(engine, ids: list[int], n: int, mode: str = "prealloc") -> tuple[list[int], list[np.ndarray]]:
-    """n greedy tokens after ids with a cache, and the logits each was chosen from."""
-    cache = make_cache(mode, engine.config.kv_geometry, len(ids) + n)
-    logits = engine.model.prefill(np.array(ids), cache)
-    out, seen = [], []
-    for _ in range(n):
-        seen.append(logits)
-        out.append(int(np.argmax(logits)))
-        if len(out) < n:
-            logits = engine.model.decode(out[-1], cache.length, cache)
-    return out, seen
 
 
 def test_every_sixth_layer_is_global_and_the_rest_see_512_positions(gemma_engine):

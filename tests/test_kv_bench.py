@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from inferno.bench.kv_modes import MODES, summary_row
+from inferno.bench.kv_modes import DEFAULT_MODES, summary_row
 from inferno.cli.kv_bench import main
 
 PROG = "kv-bench"
@@ -25,8 +25,8 @@ def test_json(kv_bench, engine):
     r = json.loads(out)
     assert set(r) == {"prompt_tokens", "new_tokens", "identical_tokens", "summary", "runs"}
     assert (r["prompt_tokens"], r["new_tokens"], r["identical_tokens"]) == (4, 6, True)
-    assert list(r["summary"]) == list(r["runs"]) == list(MODES)
-    for mode in MODES:
+    assert list(r["summary"]) == list(r["runs"]) == list(DEFAULT_MODES)
+    for mode in DEFAULT_MODES:
         row, run = r["summary"][mode], r["runs"][mode]
         assert set(row) == {"ttft_ms", "decode_tok_s", "first_forward_ms", "last_forward_ms",
                             "last_over_first", "cache_bytes"}
@@ -79,13 +79,14 @@ def test_summary_row_compares_the_last_decodes_with_the_first():
 @pytest.mark.parametrize(
     "args, fragment",
     [
-        (("--modes", "off,pages"), "unknown mode pages (valid: off, basic, prealloc, paged)"),
+        (("--modes", "off,pages"), "unknown mode pages (valid: off, basic, prealloc"),
         (("--modes", ","), "unknown mode (none)"),
         (("-n", "1"), "--new-tokens must be at least 2, got 1"),
         (("--threads", "0"), "--threads must be at least 1"),
         (("--batch-sweep", "1,x"), "batch sizes are whole numbers separated by commas, got '1,x'"),
         (("--batch-sweep", "0,2"), "batch sizes must be at least 1, got '0,2'"),
         (("--batch-sweep", "2", "--block-size", "0"), "--block-size must be at least 1, got 0"),
+        (("--batch-sweep", "2", "--fidelity"), "--batch-sweep and --fidelity do not go together"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(kv_bench, args, fragment):

@@ -10,9 +10,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import FIXTURES
-
-from inferno.kv import make_cache
+from conftest import FIXTURES, greedy
 
 REFERENCE = json.loads((FIXTURES / "hf_smollm2.json").read_text())
 LOGITS = np.load(FIXTURES / "hf_smollm2.npz")
@@ -22,19 +20,6 @@ LOGIT_TOLERANCE = 1e-3
 
 def prompt_ids(i: int) -> list[int]:
     return LOGITS[f"prompt_ids_{i}"].tolist()
-
-
-def greedy(engine, ids: list[int], n: int, mode: str = "prealloc") -> tuple[list[int], list[np.ndarray]]:
-    """n greedy tokens after ids with a cache, and the logits each was chosen from."""
-    cache = make_cache(mode, engine.config.kv_geometry, len(ids) + n)
-    logits = engine.model.prefill(np.array(ids), cache)
-    out, seen = [], []
-    for _ in range(n):
-        seen.append(logits)
-        out.append(int(np.argmax(logits)))
-        if len(out) < n:
-            logits = engine.model.decode(out[-1], cache.length, cache)
-    return out, seen
 
 
 def test_fixture_has_a_long_prompt():

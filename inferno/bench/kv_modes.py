@@ -6,27 +6,32 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from inferno.kv import KINDS
+from inferno.kv import DEFAULT_DTYPE, KINDS
 
 if TYPE_CHECKING:
     from inferno.engine import Engine  # loading it pulls in the model and its kernels
 
 MODES = ("off", *KINDS)  # off: no cache, every step reruns the whole sequence
+DEFAULT_MODES = ("off", "basic", "prealloc")  # the others take options of their own (--window, paged's pool)
 
 
 def run_modes(
-    engine: Engine, prompt_ids: list[int], new_tokens: int, modes: tuple[str, ...]
+    engine: Engine, prompt_ids: list[int], new_tokens: int, modes: tuple[str, ...],
+    dtypes: tuple[str, ...] = (DEFAULT_DTYPE,),
 ) -> dict[str, Any]:
-    """Run each mode on the same prompt (greedy, no early stop): mode -> its token ids and metrics."""
+    """Run each mode, and each kind with each element type it holds, on the same prompt (greedy, no
+    early stop): `mode` (or `mode/dtype` when several element types run) -> its token ids and metrics."""
     from inferno.generate import generate
     from inferno.sampling import Sampler
 
     results = {}
     for mode in modes:
-        kind = None if mode == "off" else mode
-        cache = engine.make_cache(kind, len(prompt_ids), new_tokens)
-        done = generate(engine.model, prompt_ids, new_tokens, Sampler(), cache=cache)
-        results[mode] = {"token_ids": done.token_ids, "metrics": done.metrics.to_json()}
+        for dtype in (None,) if mode == "off" else [d for d in dtypes if d in KINDS[mode].dtypes]:
+            label = mode if dtype is None or dtypes == (DEFAULT_DTYPE,) else f"{mode}/{dtype}"
+            kind = None if mode == "off" else mode
+            cache = engine.make_cache(kind, len(prompt_ids), new_tokens, dtype=dtype or DEFAULT_DTYPE)
+            done = generate(engine.model, prompt_ids, new_tokens, Sampler(), cache=cache)
+            results[label] = {"token_ids": done.token_ids, "metrics": done.metrics.to_json()}
     return results
 
 

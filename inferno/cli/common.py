@@ -15,6 +15,7 @@ import click
 from inferno.errors import InfernoError
 
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 DEFAULT_MODEL = Path("models") / "SmolLM2-135M-Instruct.Q4_1.gguf"  # relative to a checkout
 
 
@@ -27,22 +28,38 @@ def fail(prog: str, message: str) -> NoReturn:
 def run(command: click.Command, prog: str) -> None:
     """Run a click command; bad flags and InfernoError become one line on stderr and exit code 2."""
     try:
-        command.main(prog_name=prog, standalone_mode=False)
+        # Not command.main(): it turns a broken pipe into exit code 1 before we could see it.
+        with command.make_context(prog, sys.argv[1:]) as ctx:
+            command.invoke(ctx)
     except click.exceptions.Exit as done:
         sys.exit(done.exit_code)
     except click.ClickException as bad:
         fail(prog, bad.format_message())
     except InfernoError as bad:
         fail(prog, str(bad))
-    except click.Abort:
-        sys.exit(130)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, click.Abort):
         click.echo(f"{prog}: interrupted", err=True)
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     except BrokenPipeError:
-        # The reader went away (`| head`): stop quietly, as Unix tools do.
-        sys.stderr.close()
+        # The reader went away (`| head`): stop quietly, as Unix tools do. stdout now points at
+        # /dev/null, so the interpreter's last flush of what is still buffered cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
+
+
+def version_option() -> Callable:
+    """`--version` for a command: its name and inferno's version."""
+    return click.version_option(package_name="inferno", message="%(prog)s %(version)s")
+
+
+def utf8(what: str, text: str) -> str:
+    """`text` from the command line, refused when it is not valid UTF-8 (Python hands such bytes over
+    as lone surrogates, which no tokenizer or terminal can take)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InfernoError(f"{what} is not valid UTF-8") from None
+    return text
 
 
 @contextmanager
@@ -71,7 +88,19 @@ def default_model() -> Path:
 
 
 def looks_like_model(arg: str) -> bool:
-    return arg.endswith(".gguf") or os.path.isfile(arg)
+    """A positional argument is a model path when it says so (.gguf) or is a GGUF file; a file that
+    happens to be named like the prompt is not."""
+    return arg.endswith(".gguf") or is_gguf_file(arg)
+
+
+def is_gguf_file(path: str) -> bool:
+    from inferno.gguf_file import GGUF_MAGIC  # here: kv-memcalc by flags starts without numpy
+
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+    except OSError:  # absent, a directory, unreadable
+        return False
 
 
 SPIN_COUNT = "1000"  # busy-wait iterations (a few microseconds) before an idle worker sleeps
@@ -105,7 +134,12 @@ def console(stderr: bool = False):
     """A rich console; rich itself honours NO_COLOR and drops styling when not writing to a terminal."""
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False)
+    class QuietOnBrokenPipe(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise BrokenPipeError  # to run(), which exits 0 (rich's own handler exits 1)
+
+    return QuietOnBrokenPipe(stderr=stderr, highlight=False)
 
 
 def progress_on(console) -> Callable[[str], AbstractContextManager] | None:

@@ -45,10 +45,12 @@ def metrics_panel(run: RunRecord) -> Table:
     decode_tok_s = f"{m.decode_tok_s:.1f}" if m.decode_tok_s else "n/a (one token)"
     tpot = f"{m.tpot_ms:.2f} ms" if m.tpot_ms else "n/a"
     cache = (
-        f"{m.cache}: {fmt_bytes(m.cache_bytes)} for {m.cache_capacity} tokens"
+        f"{m.cache} {m.cache_dtype}: {fmt_bytes(m.cache_bytes)} for {m.cache_capacity} tokens"
         if m.cache
         else "off (every step reruns the whole sequence)"
     )
+    if m.evicted_tokens:
+        cache += f", {m.evicted_tokens:,} evicted"
     prefill = f"prefill {m.prefill_tok_s:.0f} tok/s" if m.prefill_tok_s else "no forward finished"
     rows = [
         ("KV cache", cache),
@@ -133,3 +135,17 @@ def forward_chart(series: dict[str, Sequence[float]], height: int = 12, width: i
     margin = " " * 12
     lines += [" " * 11 + "└" + "─" * width, f"{margin}decode step 1 … {steps}", margin + legend]
     return "\n".join(lines)
+
+
+def fidelity_table(rows: Sequence, source: str, tokens: int) -> Table:
+    """kv-bench --fidelity: each element type against the float32 cache on one teacher-forced text."""
+    table = Table(title=f"KV element types against the f32 cache, {tokens} tokens of {source}",
+                  title_justify="left")
+    for name, justify in (("dtype", "left"), ("bits/value", "right"), ("cache", "right"),
+                          ("top-1 agree", "right"), ("KL mean", "right"), ("KL max", "right"),
+                          ("perplexity", "right"), ("decode ms", "right")):
+        table.add_column(name, justify=justify)
+    for r in rows:
+        table.add_row(r.dtype, f"{r.bits_per_value:g}", fmt_bytes(r.cache_bytes), f"{r.top1_agreement:.2%}",
+                      f"{r.kl_mean:.2e}", f"{r.kl_max:.3f}", f"{r.perplexity:.3f}", f"{r.decode_ms:.2f}")
+    return table

@@ -9,10 +9,23 @@ from pathlib import Path
 from time import perf_counter
 
 import click
+from rich.text import Text
 
-from inferno.cli.common import blame, console, default_model, looks_like_model, progress_on, run, set_threads
+from inferno.cli.common import (
+    EXIT_INTERRUPTED,
+    blame,
+    console,
+    default_model,
+    looks_like_model,
+    progress_on,
+    run,
+    set_threads,
+    utf8,
+    version_option,
+)
 from inferno.errors import InfernoError
-from inferno.kv import KINDS
+from inferno.kv import DEFAULT_DTYPE, DTYPES, KINDS
+from inferno.kv.window import POSITIONS
 
 PROG = "model-generate"
 DEFAULT_NEW_TOKENS = 32
@@ -41,10 +54,20 @@ def split_positionals(args: tuple[str, ...], prompt: str | None = None) -> tuple
 
 
 def read_prompt_file(path: str) -> str:
+    """The prompt in file `path`, or on standard input for `-`; it must be UTF-8."""
     try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InfernoError(f"cannot read --prompt-file {path}: {exc}") from None
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+        return data.decode("utf-8")
+    except OSError as exc:
+        raise InfernoError(f"cannot read --prompt-file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise InfernoError(f"--prompt-file {path} is not UTF-8 text (byte {exc.start})") from None
+
+
+def cache_options(window: int | None, sinks: int | None, positions: str | None) -> dict:
+    """The window kind's options given on the command line (those not given keep their defaults)."""
+    given = {"window": window, "sinks": sinks, "positions": positions}
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def _optional_values(argv: list[str]) -> list[str]:
@@ -67,8 +90,10 @@ def _optional_values(argv: list[str]) -> list[str]:
 @click.argument("args", nargs=-1, metavar="[MODEL.gguf] PROMPT [MAX_NEW_TOKENS]")
 @click.option("--kv", "kv", default=None, metavar="MODE",
               help=f"KV cache: {' | '.join(KINDS)} (--kv alone: basic). Without it: no cache.")
+@click.option("--kv-dtype", default=DEFAULT_DTYPE, show_default=True, metavar="TYPE",
+              help=f"Element type of the cache rows: {' | '.join(DTYPES)} (quantized: --kv prealloc).")
 @click.option("--max-context", type=int, default=None,
-              help="Tokens the cache is sized for (default: prompt + new tokens).")
+              help="Tokens the cache is sized for (default: prompt + new tokens; without --kv: prealloc).")
 @click.option("--block-size", type=int, default=None,
               help="Tokens per block of --kv paged (default: 16).")
 @click.option("--num-samples", type=int, default=None, metavar="N",
@@ -77,14 +102,25 @@ def _optional_values(argv: list[str]) -> list[str]:
               help="Prompts of FILE (one a line, or JSON lines with per-prompt options), decoded together.")
 @click.option("--max-batch", type=int, default=16, show_default=True,
               help="With --batch: sequences decoded together at most.")
+@click.option("--window", type=int, default=None, metavar="W",
+              help="--kv window: positions a sliding layer attends to (all layers, if the model sets none).")
+@click.option("--sinks", type=int, default=None, metavar="S",
+              help="--kv window: first positions always kept (attention sinks)  [default: 4]")
+@click.option("--window-positions", type=click.Choice(POSITIONS), default=None,
+              help="--kv window: positions of keys once the window slides: shift (as if contiguous) or "
+                   "original  [default: shift]")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+@click.option("--system", default=None, metavar="TEXT",
+              help="With --chat: a system message before the prompt.")
+@click.option("--stop", "stops", multiple=True, metavar="STRING",
+              help="End generation where STRING appears (repeatable); the text ends before it.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 means greedy.")
 @click.option("--top-k", type=int, default=0, help="Sample from the k most likely tokens (0: off).")
 @click.option("--top-p", type=float, default=1.0, help="Sample from the smallest set of mass p.")
 @click.option("--seed", type=int, default=None, help="Random seed for sampling.")
 @click.option("--ignore-eos", is_flag=True, help="Generate all tokens even past end-of-sequence.")
-@click.option("--prompt-file", type=click.Path(dir_okay=False), default=None,
-              help="Read the prompt from a file (PROMPT is then not given).")
+@click.option("--prompt-file", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+              help="Read the prompt from a file, or standard input for - (PROMPT is then not given).")
 @click.option("--threads", type=int, default=None, help="Threads for the kernels (default: all cores).")
 @click.option("--log-tokens", "log_tokens", type=int, default=None, metavar="[K]",
               help="Log every forward: token, its probability (and the K likeliest), ms, cache length.")
@@ -93,11 +129,15 @@ def _optional_values(argv: list[str]) -> list[str]:
               help="After the run, save the KV cache to FILE as a snapshot (without --kv: prealloc).")
 @click.option("--load-cache", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Start from a snapshot: only the prompt past its tokens is prefilled.")
-def command(args, kv, max_context, block_size, num_samples, batch_file, max_batch, chat, temperature, top_k,
-            top_p, seed, ignore_eos, prompt_file, threads, log_tokens, as_json, save_cache, load_cache):
+@version_option()
+def command(args, kv, kv_dtype, max_context, block_size, num_samples, batch_file, max_batch, window, sinks,
+            window_positions, chat, system, stops, temperature, top_k, top_p, seed, ignore_eos, prompt_file,
+            threads, log_tokens, as_json, save_cache, load_cache):
     """Generate text with a GGUF model on the CPU and report per-forward timings.
 
-    With a KV cache decode cost stays flat; without one every step reruns the whole sequence.
+    The generated text goes to stdout; the prompt, progress and metrics to stderr (--json: one
+    object on stdout). With a KV cache decode cost stays flat; without one every step reruns the
+    whole sequence.
     """
     set_threads(threads)
     many = num_samples is not None or batch_file is not None
@@ -108,6 +148,12 @@ def command(args, kv, max_context, block_size, num_samples, batch_file, max_batc
     if batch_file:
         file_prompt = ""  # the prompts come from the file
     model_path, prompt, max_new = split_positionals(args, file_prompt)
+    prompt = utf8("the prompt", prompt)
+    stops = [utf8("--stop", stop) for stop in stops]
+    if "" in stops:
+        raise InfernoError("--stop needs a non-empty string")
+    if system is not None:
+        system = utf8("--system", system)
     if max_new < 1:
         raise InfernoError(f"MAX_NEW_TOKENS must be at least 1, got {max_new}")
     if kv is not None and kv not in KINDS:
@@ -116,18 +162,27 @@ def command(args, kv, max_context, block_size, num_samples, batch_file, max_batc
         raise InfernoError(f"--log-tokens takes a count of alternatives, 0 or more; got {log_tokens}")
     if max_context is not None and max_context < 1:
         raise InfernoError(f"--max-context must be at least 1, got {max_context}")
+    if system is not None and not chat:
+        raise InfernoError("--system needs --chat (the system message goes into the chat template)")
     if block_size is not None and (kv != "paged" or block_size < 1):
         raise InfernoError(f"--block-size needs --kv paged and at least 1 token, got {block_size}")
+    window_options = cache_options(window, sinks, window_positions)
+    if window_options and (kv is None or kv not in KINDS or not KINDS[kv].evicts):
+        raise InfernoError("--window, --sinks and --window-positions apply to --kv window")
     if save_cache and load_cache and Path(save_cache).resolve() == Path(load_cache).resolve():
         raise InfernoError("--save-cache names the --load-cache file, which is never modified: give another")
-    if (save_cache or load_cache) and kv is None:
-        kv = "prealloc"  # a snapshot is a cache's contents: there must be a cache
+    if (save_cache or load_cache or max_context or kv_dtype != DEFAULT_DTYPE) and kv is None:
+        # a snapshot is a cache's contents, a context a cache's size, an element type a cache's rows
+        kv = "prealloc"
     from inferno.sampling import Sampler
 
     sampler = Sampler(temperature, top_k, top_p, seed)
     model_path = model_path or default_model()
 
     from inferno.engine import Engine
+    from inferno.generate import Generation
+    from inferno.metrics import Metrics
+    from inferno.output_text import OutputText
     from inferno.snapshot import Snapshot
 
     err = console(stderr=True)
@@ -143,11 +198,12 @@ def command(args, kv, max_context, block_size, num_samples, batch_file, max_batc
         else:
             generate_many.run_samples(engine, prompt, num_samples, defaults, block_size, as_json)
         return
-    text = engine.prompt_text(prompt, chat)
+    output = OutputText(engine.tokenizer, stops)
+    text = engine.prompt_text(prompt, chat, system)
     prompt_ids = engine.tokenizer.encode(text)
     with blame("--max-context", max_context):
-        options = {"block_size": block_size} if block_size else {}
-        cache = engine.make_cache(kv, len(prompt_ids), max_new, max_context, **options)
+        options = window_options | ({"block_size": block_size} if block_size else {})
+        cache = engine.make_cache(kv, len(prompt_ids), max_new, max_context, kv_dtype, **options)
     load_cache_ms = None
     if load_cache:
         t = perf_counter()
@@ -157,37 +213,54 @@ def command(args, kv, max_context, block_size, num_samples, batch_file, max_batc
         load_cache_ms = (perf_counter() - t) * 1000
 
     from inferno.token_log import TokenLog
-    from inferno.tokenizer import StreamDecoder
 
-    out = console()
-    stream = StreamDecoder(engine.tokenizer)
-    if not as_json:
-        out.print(prompt, style="dim", end="" if log_tokens is None else "\n", markup=False)
-    t0 = perf_counter()
-    steps = engine.start(prompt_ids, max_new, kv=kv, sampler=sampler, cache=cache, ignore_eos=ignore_eos)
+    if not as_json and sys.stdout.isatty():
+        # Someone watching the text stream sees it follow the prompt; a script reading stdout gets
+        # only the generated text. Text, not a str: the prompt is never read as rich markup.
+        err.print(Text(prompt, style="dim"), end="" if log_tokens is None else "\n", soft_wrap=True)
     log = TokenLog(engine.tokenizer, cache, log_tokens) if log_tokens is not None else None
-    streaming = not as_json and log is None  # with the log on stderr, the text comes after it
-    for generation in steps:
-        if log is not None:
-            entry = log.add(generation)
-            if not as_json:
-                click.echo(entry.line(), err=True)  # plain: a log line is never wrapped or styled
-        if streaming:
-            print(stream.add(generation.token_ids[-1]), end="", flush=True)
-    record = engine.record(generation, text, (perf_counter() - t0) * 1000, load_cache_ms)
+    quiet = as_json or log is not None  # with the log on stderr, the text comes after it
+    generation = None
+    t0 = perf_counter()
+    try:
+        steps = engine.start_text(prompt_ids, max_new, output, kv=kv, sampler=sampler, cache=cache,
+                                  ignore_eos=ignore_eos)
+        for generation, piece in steps:
+            if log is not None:
+                entry = log.add(generation)
+                if not as_json:
+                    click.echo(entry.line(), err=True)  # plain: a log line is never wrapped or styled
+            show(piece, quiet)
+    except KeyboardInterrupt:
+        generation = generation or Generation(prompt_ids, [], Metrics(len(prompt_ids), 0))
+        generation.finish_reason = "interrupted"
+    show(output.flush(), quiet)
+    record = engine.record(generation, text, (perf_counter() - t0) * 1000, load_cache_ms, output)
     record.token_log = log.records if log is not None else None
-    if save_cache:
-        Snapshot.from_cache(cache, prompt_ids + record.token_ids, engine.config, engine.fingerprint).save(
+    if log is not None and not as_json:
+        show(record.text, as_json)
+    if save_cache and record.finish_reason != "interrupted":
+        Snapshot.from_cache(cache, prompt_ids + generation.token_ids, engine.config, engine.fingerprint).save(
             save_cache
         )
+    interrupted = record.finish_reason == "interrupted"
     if as_json:
         json.dump(record.to_json(), sys.stdout)
-        print()
-        return
-    print(stream.flush() if streaming else record.text, flush=True)
-    from inferno.cli.display import metrics_panel
+    print(flush=True)
+    if interrupted:
+        click.echo(f"{PROG}: interrupted after {len(generation.token_ids)} tokens", err=True)
+    if not as_json:
+        from inferno.cli.display import metrics_panel
 
-    out.print(metrics_panel(record))
+        err.print(metrics_panel(record))
+    if interrupted:
+        sys.exit(EXIT_INTERRUPTED)
+
+
+def show(piece: str, as_json: bool) -> None:
+    """Stream generated text to stdout as it comes (in --json mode it is only in the object)."""
+    if piece and not as_json:
+        print(piece, end="", flush=True)
 
 
 def _check_many(kv: str | None, num_samples: int | None, batch_file: str | None, max_batch: int,

@@ -21,13 +21,26 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from inferno.cli.common import blame, console, default_model, looks_like_model, progress_on, run, set_threads
+from inferno.cli.common import (
+    blame,
+    console,
+    default_model,
+    is_gguf_file,
+    looks_like_model,
+    progress_on,
+    run,
+    set_threads,
+    utf8,
+    version_option,
+)
 from inferno.cli.display import fmt_bytes
+from inferno.cli.generate import cache_options
 from inferno.errors import InfernoError
-from inferno.gguf_file import GGUF_MAGIC
-from inferno.inspect import INSPECTED_KIND, inspect_prompt, inspect_snapshot
-from inferno.kv import KINDS
+from inferno.inspect import inspect_prompt, inspect_snapshot
+from inferno.kv import DEFAULT_DTYPE, DEFAULT_KIND, DTYPES, KINDS
+from inferno.kv.dtypes import element_type
 from inferno.kv.paged import BLOCK_SIZE
+from inferno.kv.window import POSITIONS
 from inferno.snapshot import Snapshot
 
 PROG = "kv-inspect"
@@ -40,10 +53,7 @@ def is_snapshot_file(arg: str) -> bool:
     """A .safetensors name, or a file that is not a GGUF: read as a snapshot (which says if it is not one)."""
     if arg.endswith(".safetensors"):
         return True
-    if arg.endswith(".gguf") or not os.path.isfile(arg):
-        return False
-    with open(arg, "rb") as f:
-        return f.read(len(GGUF_MAGIC)) != GGUF_MAGIC
+    return not arg.endswith(".gguf") and os.path.isfile(arg) and not is_gguf_file(arg)
 
 
 def inspect_model(
@@ -53,9 +63,10 @@ def inspect_model(
     layer: int | None,
     max_context: int | None,
     status: Console | None,
-    kind: str = INSPECTED_KIND,
+    kind: str = DEFAULT_KIND,
+    dtype: str = DEFAULT_DTYPE,
     samples: int = 1,
-    block_size: int = BLOCK_SIZE,
+    **options,
 ) -> dict[str, Any]:
     """Load the model, fill a cache with the prompt and report on it (status: where to show progress)."""
     from inferno.engine import Engine
@@ -66,7 +77,7 @@ def inspect_model(
         raise InfernoError(f"--layer {layer} does not exist: the model has layers 0..{layers - 1}")
     with blame("--max-context", max_context):
         report = inspect_prompt(engine, engine.tokenizer.encode(prompt), n_decode, layer, max_context, kind,
-                                samples, block_size)
+                                dtype, samples, **options)
     return {"model": str(model_path)} | report
 
 
@@ -76,7 +87,8 @@ def split_args(args: tuple[str, ...]) -> tuple[Path | None, str]:
         raise click.UsageError("missing PROMPT (or a snapshot file to inspect)")
     if len(args) > 2:
         raise click.UsageError(f"too many arguments: {' '.join(args[2:])}")
-    return (Path(args[0]), args[1]) if len(args) == 2 else (None, args[0])
+    model, prompt = (Path(args[0]), args[1]) if len(args) == 2 else (None, args[0])
+    return model, utf8("the prompt", prompt)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -87,15 +99,23 @@ def split_args(args: tuple[str, ...]) -> tuple[Path | None, str]:
               help="Show the attention weights of the last query in layer L (0-based).")
 @click.option("--max-context", type=int, default=None,
               help="Tokens the cache is sized for (default: prompt + --decode).")
-@click.option("--kv", "kind", default=INSPECTED_KIND, show_default=True, metavar="MODE",
-              help=f"KV cache to fill: {' | '.join(KINDS)}.")
+@click.option("--kv", "kind", type=click.Choice(list(KINDS)), default=DEFAULT_KIND, show_default=True,
+              help="The cache kind to fill.")
+@click.option("--window", type=int, default=None, metavar="W", help="--kv window: the window of every layer.")
+@click.option("--sinks", type=int, default=None, metavar="S", help="--kv window: first positions kept.")
+@click.option("--window-positions", type=click.Choice(POSITIONS), default=None,
+              help="--kv window: shift or original.")
 @click.option("--block-size", type=int, default=None,
-              help=f"Tokens per block of --kv paged (default: {BLOCK_SIZE}).")
+              help=f"--kv paged: tokens per block (default: {BLOCK_SIZE}).")
 @click.option("--num-samples", "samples", type=int, default=None, metavar="N",
-              help="With --kv paged: N sequences forked from the prompt, decoding together (default: 1).")
+              help="--kv paged: N sequences forked from the prompt, decoding together (default: 1).")
+@click.option("--kv-dtype", default=DEFAULT_DTYPE, show_default=True, metavar="TYPE",
+              help=f"Store the rows as {' | '.join(DTYPES)} and show what that loses per layer and KV head.")
 @click.option("--threads", type=int, default=None, help="Threads for the kernels (default: all cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-def command(args, n_decode, layer, max_context, kind, block_size, samples, threads, as_json):
+@version_option()
+def command(args, n_decode, layer, max_context, kind, window, sinks, window_positions, block_size, samples,
+            kv_dtype, threads, as_json):
     """Show what a KV cache holds: geometry, fill, tokens, K/V norms, attention.
 
     \b
@@ -107,8 +127,6 @@ def command(args, n_decode, layer, max_context, kind, block_size, samples, threa
         raise InfernoError(f"--decode must be 0 or more, got {n_decode}")
     if max_context is not None and max_context < 1:
         raise InfernoError(f"--max-context must be at least 1, got {max_context}")
-    if kind not in KINDS:
-        raise InfernoError(f"unknown --kv {kind} (valid: {', '.join(KINDS)})")
     if (block_size is not None or samples is not None) and kind != "paged":
         raise InfernoError("--block-size and --num-samples need --kv paged")
     if block_size is not None and block_size < 1:
@@ -116,15 +134,19 @@ def command(args, n_decode, layer, max_context, kind, block_size, samples, threa
     if samples is not None and samples < 1:
         raise InfernoError(f"--num-samples must be at least 1, got {samples}")
     set_threads(threads)
+    element_type(kv_dtype)
     if len(args) == 1 and is_snapshot_file(args[0]):
-        if n_decode or layer is not None or max_context is not None or kind != INSPECTED_KIND:
+        if n_decode or layer is not None or max_context is not None or kind != DEFAULT_KIND:
             raise InfernoError("--decode, --layer, --max-context and --kv need a model, not a snapshot")
         report = {"snapshot": args[0]} | inspect_snapshot(Snapshot.load(args[0]))
     else:
         model_path, prompt = split_args(args)
         status = None if as_json else console(stderr=True)
+        options = cache_options(window, sinks, window_positions)
+        if block_size is not None:
+            options["block_size"] = block_size
         report = inspect_model(model_path or default_model(), prompt, n_decode, layer, max_context, status,
-                               kind, samples or 1, block_size or BLOCK_SIZE)
+                               kind, kv_dtype, samples or 1, **options)
     if as_json:
         click.echo(json.dumps(report))
     else:
@@ -148,9 +170,13 @@ def print_report(r: dict[str, Any]) -> None:
         ("geometry", f"{r['layers']} layers x {r['kv_heads']} KV heads x head_dim {r['head_dim']}; "
                      f"{r['heads']} query heads, {group} per KV head"),
         ("row", f"{r['kv_width']} {r['dtype']} = {row_bytes:,} B per token and layer, for K and again for V"),
-        ("keys", "stored after RoPE: a cached row never needs rotating again"),
+        ("keys", "stored after RoPE: a cached row never needs rotating again"
+                 + ("; a window's sinks move with the slide (shift)" if r.get("window", {}).get("positions")
+                    == "shift" else "")),
         ("per token", f"{r['bytes_per_token']:,} B ({row_bytes:,} B x 2 x {r['layers']} layers)"),
-        ("length", f"{r['length']:,} of {r['capacity']:,} tokens committed"),
+        ("length", f"{r['length']:,} tokens committed, at most {r['capacity']:,} held" if "window" in r
+                   else f"{r['length']:,} of {r['capacity']:,} tokens committed"),
+        *([("window", window_line(r["window"]))] if "window" in r else []),
         ("memory", f"{fmt_bytes(r['bytes_used'])} used of {fmt_bytes(r['bytes_allocated'])} allocated "
                    f"({r['bytes_used']:,} / {r['bytes_allocated']:,} B)"),
     ]
@@ -171,6 +197,16 @@ def print_report(r: dict[str, Any]) -> None:
         heatmap(np.array(r["value_norms"]), layers, kv_heads, "{:6.2f}"),
     )
     out.print(grid)
+    if "key_error" in r:
+        out.print()
+        grid = Table.grid(padding=(0, 4))
+        grid.add_row(Text(f"K error of {r['dtype']}, % RMS", style="bold"),
+                     Text(f"V error of {r['dtype']}, % RMS", style="bold"))
+        grid.add_row(
+            heatmap(np.array(r["key_error"]) * 100, layers, kv_heads, "{:6.2f}"),
+            heatmap(np.array(r["value_error"]) * 100, layers, kv_heads, "{:6.2f}"),
+        )
+        out.print(grid)
     if "blocks" in r:
         out.print()
         out.print(pool_view(r))
@@ -180,6 +216,14 @@ def print_report(r: dict[str, Any]) -> None:
         out.print(Text(f"layer {layer}: attention of the last query (position {pos}) over the cache, in %",
                        style="bold"))
         out.print(attention_map(r, out))
+
+
+def window_line(w: dict[str, Any]) -> str:
+    kept = w["sink_positions"]
+    sinks = f"sinks {kept[0]}..{kept[-1]}" if kept else "no sinks"
+    window = "..".join(map(str, w["window_positions"])) or "nothing"
+    return (f"{sinks} + positions {window} ({w['positions']} positions): {w['held']} of {w['rows']} rows "
+            f"per layer, {w['evicted_tokens']:,} evicted")
 
 
 def pool_view(r: dict[str, Any]) -> Table:
@@ -237,9 +281,10 @@ def attention_map(r: dict[str, Any], out: Console) -> Table:
     group = r["heads"] // r["kv_heads"]
     heads = [f"q{h} (kv{h // group})" for h in range(r["heads"])]
     labels = [token_label(t) for t in r["tokens"]]
-    table = heatmap(percent, heads, [f"{n}\n{label}" for n, label in enumerate(labels)], "{:3.0f}")
+    at = [t["pos"] for t in r["tokens"]]
+    table = heatmap(percent, heads, [f"{n}\n{label}" for n, label in zip(at, labels, strict=True)], "{:3.0f}")
     if out.measure(table, options=out.options.update_width(10_000)).maximum > out.width:
-        rows = [f"{n:>4} {label}" for n, label in enumerate(labels)]
+        rows = [f"{n:>4} {label}" for n, label in zip(at, labels, strict=True)]
         table = heatmap(percent.T, rows, [f"q{h}" for h in range(r["heads"])], "{:3.0f}")
     return table
 
@@ -254,10 +299,10 @@ def heatmap(values: np.ndarray, rows: list[str], columns: list[str], fmt: str) -
     span = hi - lo or 1.0
     table = Table(box=None, padding=(0, 0, 0, 1), header_style="bold")
     table.add_column(justify="left", no_wrap=True)
-    for column in columns:
-        table.add_column(column, justify="right", no_wrap=True)
+    for column in columns:  # Text, not markup: labels hold token text such as "[/"
+        table.add_column(Text(column), justify="right", no_wrap=True)
     for label, row in zip(rows, values, strict=True):
-        table.add_row(label, *(Text(f" {fmt.format(v)} ", style=shade((v - lo) / span)) for v in row))
+        table.add_row(Text(label), *(Text(f" {fmt.format(v)} ", style=shade((v - lo) / span)) for v in row))
     return table
 
 

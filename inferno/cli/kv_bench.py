@@ -1,4 +1,5 @@
-"""`kv-bench`: one prompt generated with no cache and each cache kind, side by side in one run; with
+"""`kv-bench`: one prompt generated with no cache and each cache kind (and element type), side by side
+in one run; with `--fidelity`, what each element type costs in quality against the float cache; with
 `--batch-sweep 1,2,4,8`, the prompt forked into B sequences decoded together, for each B."""
 
 from __future__ import annotations
@@ -9,19 +10,60 @@ import sys
 import click
 
 from inferno.bench.batch_sweep import batch_sweep, parse_sizes
-from inferno.bench.kv_modes import MODES, run_modes, summary_row
-from inferno.cli.common import console, default_model, progress_on, run, set_threads
+from inferno.bench.kv_modes import DEFAULT_MODES, MODES, run_modes, summary_row
+from inferno.cli.common import console, default_model, progress_on, run, set_threads, utf8, version_option
 from inferno.errors import InfernoError
+from inferno.kv import DEFAULT_DTYPE, DTYPES
 from inferno.kv.paged import BLOCK_SIZE
 
 PROG = "kv-bench"
+FIDELITY_TOKENS = 1024
+
+
+def split_list(value: str, valid, what: str) -> tuple[str, ...]:
+    chosen = tuple(m.strip() for m in value.split(",") if m.strip())
+    unknown = [m for m in chosen if m not in valid]
+    if unknown or not chosen:
+        raise InfernoError(f"unknown {what} {','.join(unknown) or '(none)'} (valid: {', '.join(valid)})")
+    return chosen
+
+
+def text_tokens(engine, text_file: str | None, tokens: int) -> tuple[list[int], str]:
+    """`tokens` token ids of the fidelity text (the file's, or the default) and where the text is from."""
+    from pathlib import Path
+
+    from inferno.fidelity import default_text
+
+    if text_file:
+        try:
+            text, source = Path(text_file).read_text(encoding="utf-8"), text_file
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InfernoError(f"cannot read --text-file {text_file}: {exc}") from None
+    else:
+        text, source = default_text()
+    ids = engine.tokenizer.encode(text)
+    if len(ids) < tokens:
+        raise InfernoError(f"the text has {len(ids)} tokens, fewer than --tokens {tokens}")
+    return ids[:tokens], source
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("model", required=False, type=click.Path(dir_okay=True))
 @click.option("--prompt", default="Once upon a time", show_default=True)
+@click.option("--depth", type=int, default=None, metavar="N",
+              help="Instead of --prompt, an N-token prompt (the fidelity text, repeated): decode at depth N.")
 @click.option("--new-tokens", "-n", type=int, default=128, show_default=True)
-@click.option("--modes", default=",".join(MODES), show_default=True, help="Comma-separated subset to run.")
+@click.option("--modes", default=",".join(DEFAULT_MODES), show_default=True,
+              help=f"Comma-separated, of {', '.join(MODES)}.")
+@click.option("--kv-dtype", "kv_dtypes", default=DEFAULT_DTYPE, show_default=True, metavar="LIST",
+              help=f"Element types of the cache rows, comma-separated: {', '.join(DTYPES)}.")
+@click.option("--fidelity", is_flag=True,
+              help="Teacher-force a long text through the float cache and each --kv-dtype: top-1 agreement, "
+                   "KL divergence, perplexity.")
+@click.option("--text-file", type=click.Path(dir_okay=False), default=None,
+              help="Text for --fidelity (default: the Python Language Reference's 'Execution model').")
+@click.option("--tokens", type=int, default=FIDELITY_TOKENS, show_default=True,
+              help="Tokens of the text --fidelity runs.")
 @click.option("--window", type=int, default=32, show_default=True,
               help="Decode steps averaged for the first/last forward columns.")
 @click.option("--batch-sweep", "sweep", default=None, metavar="B1,B2,...",
@@ -31,24 +73,44 @@ PROG = "kv-bench"
               help="Tokens per block of the --batch-sweep pool.")
 @click.option("--threads", type=int, default=None)
 @click.option("--json", "as_json", is_flag=True)
-def command(model, prompt, new_tokens, modes, window, sweep, block_size, threads, as_json):
+@version_option()
+def command(model, prompt, depth, new_tokens, modes, kv_dtypes, fidelity, text_file, tokens, window, sweep,
+            block_size, threads, as_json):
     """Show what a KV cache buys: per-forward time climbs without one and stays flat with one.
-    With --batch-sweep: what decoding many sequences together buys."""
+
+    \b
+    Speed:     kv-bench --modes prealloc --kv-dtype f32,q8_0,q4_0h --depth 2048 -n 64
+    Fidelity:  kv-bench --fidelity --kv-dtype f16,q8_0,q4_0,q4_0h
+    Batching:  kv-bench --batch-sweep 1,2,4,8,16 --depth 128 -n 64
+    """
     set_threads(threads)
-    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
-    unknown = [m for m in chosen if m not in MODES]
-    if unknown or not chosen:
-        raise InfernoError(f"unknown mode {','.join(unknown) or '(none)'} (valid: {', '.join(MODES)})")
+    chosen = split_list(modes, MODES, "mode")
+    dtypes = split_list(kv_dtypes, DTYPES, "element type")
     if new_tokens < 2:
         raise InfernoError(f"--new-tokens must be at least 2, got {new_tokens}")
-    if sweep is not None:
-        return sweep_command(model, prompt, new_tokens, parse_sizes(sweep), block_size, as_json)
+    if depth is not None and depth < 1:
+        raise InfernoError(f"--depth must be at least 1, got {depth}")
+    if tokens < 2:
+        raise InfernoError(f"--tokens must be at least 2, got {tokens}")
+    sizes = parse_sizes(sweep) if sweep is not None else None
+    if sizes and fidelity:
+        raise InfernoError("--batch-sweep and --fidelity do not go together: give one")
+    if block_size < 1:
+        raise InfernoError(f"--block-size must be at least 1, got {block_size}")
     from inferno.engine import Engine
 
     err = console(stderr=True)
     engine = Engine.load(model or default_model(), progress=None if as_json else progress_on(err))
-    prompt_ids = engine.tokenizer.encode(prompt)
-    results = run_modes(engine, prompt_ids, new_tokens, chosen)
+    if fidelity:
+        return report_fidelity(engine, dtypes, text_file, tokens, as_json)
+    if depth is not None:
+        ids, _ = text_tokens(engine, text_file, 2)
+        prompt_ids = (ids * (depth // len(ids) + 1))[:depth]
+    else:
+        prompt_ids = engine.tokenizer.encode(utf8("--prompt", prompt))
+    if sizes:
+        return report_sweep(engine, prompt_ids, new_tokens, sizes, block_size, as_json)
+    results = run_modes(engine, prompt_ids, new_tokens, chosen, dtypes)
     rows = {mode: summary_row(r["metrics"], window) for mode, r in results.items()}
     same = len({tuple(r["token_ids"]) for r in results.values()}) == 1
     if as_json:
@@ -60,20 +122,28 @@ def command(model, prompt, new_tokens, modes, window, sweep, block_size, threads
 
     out = console()
     out.print(bench_table(rows, len(prompt_ids), new_tokens, window))
-    out.print(forward_chart({m: r["metrics"]["per_forward_ms"][1:] for m, r in results.items()}))
-    out.print("same tokens from every mode" if same else "[bold red]the modes generated different tokens[/]")
+    if depth is None:
+        out.print(forward_chart({m: r["metrics"]["per_forward_ms"][1:] for m, r in results.items()}))
+    out.print("same tokens from every mode" if same else "[yellow]the modes generated different tokens[/]")
 
 
-def sweep_command(
-    model: str | None, prompt: str, new_tokens: int, sizes: list[int], block_size: int, as_json: bool
-) -> None:
-    if block_size < 1:
-        raise InfernoError(f"--block-size must be at least 1, got {block_size}")
-    from inferno.engine import Engine
+def report_fidelity(engine, dtypes: tuple[str, ...], text_file: str | None, tokens: int,
+                    as_json: bool) -> None:
+    from inferno.fidelity import measure
 
-    status = None if as_json else console(stderr=True)
-    engine = Engine.load(model or default_model(), progress=progress_on(status))
-    prompt_ids = engine.tokenizer.encode(prompt)
+    ids, source = text_tokens(engine, text_file, tokens)
+    rows = measure(engine.model, ids, list(dtypes))
+    if as_json:
+        json.dump({"text": source, "tokens": len(ids), "rows": [r.to_json() for r in rows]}, sys.stdout)
+        print()
+        return
+    from inferno.cli.display import fidelity_table
+
+    console().print(fidelity_table(rows, source, len(ids)))
+
+
+def report_sweep(engine, prompt_ids: list[int], new_tokens: int, sizes: list[int], block_size: int,
+                 as_json: bool) -> None:
     rows = batch_sweep(engine, prompt_ids, new_tokens, sizes, block_size)
     if as_json:
         json.dump({"prompt_tokens": len(prompt_ids), "new_tokens": new_tokens, "block_size": block_size,

@@ -11,12 +11,13 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from inferno.cli.common import console, run
+from inferno.cli.common import console, run, version_option
 from inferno.deploy import Devices, devices, engine_plans, limiting, plan_stages
 from inferno.errors import InfernoError
 from inferno.hf_config import HFModel, Weights, read_hf_config
 from inferno.memcalc import (
     DTYPES,
+    MAX_LAYERS,
     DType,
     KVShape,
     ModelInfo,
@@ -51,9 +52,12 @@ def both(n: int) -> str:
 
 
 class PositiveInt(click.ParamType):
-    """A whole number of at least 1, with a plainer message than click's IntRange."""
+    """A whole number of at least 1 (and at most `maximum`), with a plainer message than click's IntRange."""
 
     name = "N"
+
+    def __init__(self, maximum: int | None = None) -> None:
+        self.maximum = maximum
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         try:
@@ -62,6 +66,8 @@ class PositiveInt(click.ParamType):
             self.fail(f"{value!r} is not a whole number", param, ctx)
         if number < 1:
             self.fail(f"must be at least 1, got {number}", param, ctx)
+        if self.maximum is not None and number > self.maximum:
+            self.fail(f"must be at most {self.maximum:,}, got {number:,}", param, ctx)
         return number
 
 
@@ -73,7 +79,15 @@ def read_model(path: str) -> tuple[ModelInfo, Weights]:
     from inferno.gguf_file import metadata, open_gguf
 
     reader = open_gguf(path)
-    info = model_info(lambda key: metadata(reader, key))
+
+    def get(key: str) -> Any:
+        # Every key model_info reads is a count (or one per layer) but the architecture's name.
+        value = metadata(reader, key)
+        if isinstance(value, (str, float)) and key != "general.architecture":
+            raise InfernoError(f"GGUF metadata {key} should be an integer, not {value!r}"[:160])
+        return value
+
+    info = model_info(get)
     return info, gguf_weights(reader, info.layers)
 
 
@@ -110,7 +124,7 @@ class Fraction(click.ParamType):
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--model", "model_path", metavar="FILE.gguf", help="Read the shape from a GGUF's metadata.")
 @click.option("--config", "config_path", metavar="FILE", help="Read the shape from a HF config.json.")
-@click.option("--layers", type=POSITIVE, help="Transformer layers (blocks).")
+@click.option("--layers", type=PositiveInt(MAX_LAYERS), help="Transformer layers (blocks).")
 @click.option("--kv-heads", type=POSITIVE, help="Key/value heads per layer.")
 @click.option("--head-dim", type=POSITIVE, help="Values per head  [default: 128, or the model's]")
 @click.option("--heads", type=POSITIVE, help="Query heads: also show what multi-head attention would need.")
@@ -129,6 +143,9 @@ class Fraction(click.ParamType):
     show_default=True,
     help="Element type of the cache; q8_0 and q4_0 count their scales.",
 )
+@click.option("--kv", "kv_kind", metavar="KIND",
+              help="Size what inferno allocates for this cache kind (with --model): its exact bytes.")
+@click.option("--kv-dtype", metavar="TYPE", help="Element type of that cache's rows (default: f32).")
 @click.option("--sliding-window", type=POSITIVE, metavar="TOKENS", help="Most tokens a sliding layer holds.")
 @click.option("--sliding-layers", metavar="LIST", help="Which layers slide: 0-4,6-10 (0-based) or all.")
 @click.option(
@@ -164,6 +181,7 @@ class Fraction(click.ParamType):
 )
 @click.option("--weights", "weights_size", metavar="SIZE", help="Total weight bytes: skip counting.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@version_option()
 def command(
     model_path: str | None,
     config_path: str | None,
@@ -174,6 +192,8 @@ def command(
     contexts: tuple[str, ...],
     batch: int,
     dtype: str,
+    kv_kind: str | None,
+    kv_dtype: str | None,
     sliding_window: int | None,
     sliding_layers: str | None,
     sliding_pattern: int | None,
@@ -232,6 +252,8 @@ def command(
     grouped = heads is not None or shape.heads != shape.kv_heads
     show_mha = not shape.mla and shape.heads is not None and grouped
     report = build_report(shape, kv_type, context_list, batch, budget_bytes, show_mha)
+    if kv_kind is not None or kv_dtype is not None:
+        runtime_bytes(report, model_path, kv_kind or "prealloc", kv_dtype or "f32")
     if model is not None:
         report["model"] = {
             "file": Path(model_path or config_path).name,
@@ -362,6 +384,26 @@ def build_report(
         # The batch that fits every context asked about: the one at the longest context.
         report["max_batch"] = min(row["max_batch"] for row in rows)
     return report
+
+
+def runtime_bytes(report: dict[str, Any], model_path: str | None, kind: str, dtype: str) -> None:
+    """Replace the report's bytes with what `model-generate --kv kind --kv-dtype dtype --max-context N`
+    allocates for this model: the cache's own planned_nbytes, so the two always agree."""
+    from inferno.config import ModelConfig
+    from inferno.gguf_file import open_gguf
+    from inferno.kv import planned_nbytes
+
+    if model_path is None:
+        raise InfernoError("--kv and --kv-dtype size inferno's cache of a model: give --model FILE.gguf")
+    geometry = ModelConfig.from_gguf(open_gguf(model_path)).kv_geometry
+    per_token = planned_nbytes(kind, geometry, 1, dtype)
+    report |= {"kv": kind, "dtype": dtype, "bytes_per_token": per_token,
+               "bytes_per_token_per_layer": per_token // geometry.layers}
+    report.pop("heads", None)  # the multi-head comparison is the formula's, not this cache's
+    for row in report["rows"]:
+        row.pop("mha_bytes", None)
+        row["dtype"] = dtype
+        row["bytes"] = planned_nbytes(kind, geometry, row["context"], dtype) * row["batch"]
 
 
 def _scalar(values: tuple[int, ...]) -> int | list[int]:

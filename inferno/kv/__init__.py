@@ -1,19 +1,31 @@
 """The KV cache family: the protocol (`base`), one module per kind, and this factory, the only place
-that knows the kinds. `--kv` choices, kv-bench's modes and kv-memcalc all read `KINDS` from here."""
+that knows the kinds. `--kv` choices, kv-bench's modes and kv-memcalc all read `KINDS` from here;
+`--kv-dtype` choices read `DTYPES` (the element types of `inferno.kv.dtypes`)."""
 
 from __future__ import annotations
+
+import inspect
 
 from inferno.errors import InfernoError
 from inferno.kv.base import KVCache, KVCacheFullError
 from inferno.kv.basic import BasicKVCache
+from inferno.kv.dtypes import DTYPES, F32
 from inferno.kv.geometry import KVGeometry
 from inferno.kv.paged import PagedKVCache
 from inferno.kv.prealloc import PreallocKVCache
+from inferno.kv.window import WindowKVCache
 
-KINDS: dict[str, type[KVCache]] = {cls.kind: cls for cls in (BasicKVCache, PreallocKVCache, PagedKVCache)}
+KINDS: dict[str, type[KVCache]] = {
+    cls.kind: cls for cls in (BasicKVCache, PreallocKVCache, WindowKVCache, PagedKVCache)
+}
 DEFAULT_KIND = "prealloc"
 
-__all__ = ["DEFAULT_KIND", "KINDS", "KVCache", "KVCacheFullError", "KVGeometry", "cache_class", "make_cache"]
+DEFAULT_DTYPE = F32
+
+__all__ = [
+    "DEFAULT_DTYPE", "DEFAULT_KIND", "DTYPES", "KINDS", "KVCache", "KVCacheFullError", "KVGeometry",
+    "cache_class", "make_cache", "planned_nbytes",
+]
 
 
 def cache_class(kind: str) -> type[KVCache]:
@@ -23,7 +35,29 @@ def cache_class(kind: str) -> type[KVCache]:
     return KINDS[kind]
 
 
-def make_cache(kind: str, geometry: KVGeometry, capacity: int, **options) -> KVCache:
-    """A cache of kind `kind` for `capacity` tokens of a model with this geometry; options are the
-    kind's own (paged: block_size)."""
-    return cache_class(kind)(geometry, capacity, **options)
+def make_cache(
+    kind: str, geometry: KVGeometry, capacity: int, dtype: str = DEFAULT_DTYPE, **options
+) -> KVCache:
+    """A cache of kind `kind` holding rows of element type `dtype`, for `capacity` tokens of a model with
+    this geometry; options are the kind's own (window: `window`, `sinks`, `positions`, `rotary`; paged:
+    `block_size`)."""
+    cls = cache_class(kind)
+    _check_options(cls, cls.__init__, options)
+    return cls(geometry, capacity, dtype=dtype, **options)
+
+
+def planned_nbytes(
+    kind: str, geometry: KVGeometry, capacity: int, dtype: str = DEFAULT_DTYPE, **options
+) -> int:
+    """Bytes `make_cache(kind, geometry, capacity, dtype, **options)` allocates for keys and values
+    (what kv-memcalc prints)."""
+    cls = cache_class(kind)
+    _check_options(cls, cls.planned_nbytes, {k: v for k, v in options.items() if k != "rotary"})
+    return cls.planned_nbytes(geometry, capacity, dtype=dtype, **options)
+
+
+def _check_options(cls: type[KVCache], method, options: dict) -> None:
+    """Options a kind does not take are refused by name (window's `window` given to prealloc, say)."""
+    unknown = [name for name in options if name not in inspect.signature(method).parameters]
+    if unknown:
+        raise InfernoError(f"{', '.join(unknown)} do not apply to a {cls.kind!r} cache")

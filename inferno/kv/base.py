@@ -11,6 +11,10 @@ a reader of the committed state (`read` with no end, snapshots, `kv-inspect`).
 A kind implements `_store`, `_rows`, `_clear` and `nbytes` (and `planned_nbytes`, what it allocates for
 a capacity, which kv-memcalc prints); `attend` is the decode step's attention over the cache, which a
 kind storing rows in another element type can compute on its own rows.
+
+The element type of the rows (`dtype`, see `inferno.kv.dtypes`) is a choice separate from the kind:
+a kind lists the ones it can hold in `dtypes`. `stored_rows` / `write_stored` move rows as they are
+stored (a snapshot of a q8_0 cache holds its blocks, not floats rounded twice).
 """
 
 from __future__ import annotations
@@ -22,21 +26,28 @@ import numpy as np
 
 from inferno import kernels
 from inferno.errors import InfernoError
+from inferno.kv.dtypes import F32, ElementType, element_type
 from inferno.kv.geometry import KVGeometry
 
 
 class KVCacheFullError(InfernoError):
-    """A write would go past the cache's capacity; nothing is ever wrapped around or dropped."""
+    """A write would go past the cache's capacity; only a kind that `evicts` ever drops a row."""
 
 
 class KVCache(ABC):
     """Keys and values of every layer, rows [token, kv_width] in float32."""
 
     kind: ClassVar[str]
+    # A kind that evicts old positions to make room never refuses for length, may run past the
+    # model's context, and may move keys to other positions: it is given the model's RoPE.
+    evicts: ClassVar[bool] = False
+    dtypes: ClassVar[tuple[str, ...]] = (F32,)  # element types this kind can hold
 
-    def __init__(self, geometry: KVGeometry, capacity: int):
+    def __init__(self, geometry: KVGeometry, capacity: int, dtype: str = F32):
         if capacity < 1:
             raise InfernoError(f"a KV cache needs room for at least one token, got {capacity}")
+        self.dtype: ElementType = self.element_type(dtype)
+        self.dtype.row_items(geometry)  # refuses a geometry the element type cannot store
         self.geometry = geometry
         self.capacity = capacity
         self.length = 0  # committed tokens
@@ -51,8 +62,18 @@ class KVCache(ABC):
         return self.geometry.kv_width
 
     @classmethod
+    def element_type(cls, dtype: str) -> ElementType:
+        """The element type `dtype` names, refused when this kind cannot hold it."""
+        if dtype not in cls.dtypes:
+            element_type(dtype)  # an unknown name gets the list of every element type
+            raise InfernoError(
+                f"a {cls.kind} cache holds {', '.join(cls.dtypes)} rows, not {dtype} (prealloc holds any)"
+            )
+        return element_type(dtype)
+
+    @classmethod
     @abstractmethod
-    def planned_nbytes(cls, geometry: KVGeometry, capacity: int) -> int:
+    def planned_nbytes(cls, geometry: KVGeometry, capacity: int, dtype: str = F32) -> int:
         """Bytes a cache of this kind holds for keys and values when `capacity` tokens are in it."""
 
     @property
@@ -71,17 +92,35 @@ class KVCache(ABC):
 
     def write(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store rows k, v [n, kv_width] of `layer` at positions pos .. pos + n - 1."""
-        n = k.shape[0]
+        self._check_write(layer, pos, k.shape[0])
+        self._store(layer, pos, k, v)
+        self._written[layer] = pos + k.shape[0]
+
+    def write_stored(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
+        """`write` of rows already in this cache's element type (from `stored_rows` of a cache like it)."""
+        self._check_write(layer, pos, k.shape[0])
+        self._store_stored(layer, pos, k, v)
+        self._written[layer] = pos + k.shape[0]
+
+    def stored_rows(self, layer: int, end: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """`read`, but the rows as stored in the cache's element type: [n, dtype.row_items]."""
+        return self.read(layer, end)
+
+    def _store_stored(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
+        self._store(layer, pos, k, v)  # float32 rows are stored as they are
+
+    def _check_write(self, layer: int, pos: int, n: int) -> None:
+        self._check_room(layer, pos, n)
+        if pos != self._written[layer]:
+            held = self._written[layer]
+            raise ValueError(f"layer {layer} holds {held} rows; rows go at the end, not at {pos}")
+
+    def _check_room(self, layer: int, pos: int, n: int) -> None:
         if pos + n > self.capacity:
             raise KVCacheFullError(
                 f"KV cache is full: {n} token(s) at position {pos} need {pos + n} slots, "
                 f"it was sized for {self.capacity}"
             )
-        if pos != self._written[layer]:
-            held = self._written[layer]
-            raise ValueError(f"layer {layer} holds {held} rows; rows go at the end, not at {pos}")
-        self._store(layer, pos, k, v)
-        self._written[layer] = pos + n
 
     def commit(self, n_tokens: int) -> None:
         """Make the last n_tokens visible; every layer must have written them."""
@@ -129,6 +168,19 @@ class KVCache(ABC):
             keys, values = keys[-window:], values[-window:]
         return kernels.attention_decode(query, keys, values, self.geometry.heads)
 
+    def attend_new(self, layer: int, pos: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """Prefill's attention: store rows k, v [T, kv_width] at pos.., then queries q [T, heads * head_dim]
+        at the same positions attend causally over the cache; returns [T, heads * head_dim]."""
+        self.write(layer, pos, k, v)
+        keys, values = self.read(layer, pos + k.shape[0])
+        return kernels.attention_prefill(q, keys, values, self.geometry.heads, pos,
+                                         window=self.geometry.window(layer))
+
+    @property
+    def evicted_tokens(self) -> int:
+        """Committed positions some layer no longer holds (only a kind that `evicts` has any)."""
+        return 0
+
     def reset(self) -> None:
         """Forget every token (memory is kept where the kind allows it)."""
         self.length = 0
@@ -136,4 +188,5 @@ class KVCache(ABC):
         self._clear()
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(length={self.length}, capacity={self.capacity}, nbytes={self.nbytes})"
+        return (f"{type(self).__name__}(length={self.length}, capacity={self.capacity}, "
+                f"dtype={self.dtype.name}, nbytes={self.nbytes})")

@@ -6,9 +6,8 @@ import numpy as np
 
 from inferno.kernels import concat_dim0
 from inferno.kv.base import KVCache
+from inferno.kv.dtypes import F32
 from inferno.kv.geometry import KVGeometry
-
-ITEMSIZE = np.dtype(np.float32).itemsize
 
 
 class BasicKVCache(KVCache):
@@ -19,13 +18,13 @@ class BasicKVCache(KVCache):
 
     kind = "basic"
 
-    def __init__(self, geometry: KVGeometry, capacity: int):
-        super().__init__(geometry, capacity)
+    def __init__(self, geometry: KVGeometry, capacity: int, dtype: str = F32):
+        super().__init__(geometry, capacity, dtype)
         self._clear()
 
     @classmethod
-    def planned_nbytes(cls, geometry: KVGeometry, capacity: int) -> int:
-        return geometry.nbytes(capacity, ITEMSIZE)
+    def planned_nbytes(cls, geometry: KVGeometry, capacity: int, dtype: str = F32) -> int:
+        return cls.element_type(dtype).nbytes(geometry, capacity)
 
     @property
     def nbytes(self) -> int:

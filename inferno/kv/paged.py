@@ -22,8 +22,9 @@ import numpy as np
 from numba import njit, prange
 
 from inferno.errors import InfernoError
-from inferno.kernels import DECODE_SPAN, exp_f32
+from inferno.kernels import DECODE_SPAN, combine_spans, softmax_span
 from inferno.kv.base import KVCache, KVCacheFullError
+from inferno.kv.dtypes import F32
 from inferno.kv.geometry import KVGeometry
 from inferno.kv.prealloc import lazy_zeros
 
@@ -138,8 +139,8 @@ class PagedKVCache(KVCache):
     kind = "paged"
 
     def __init__(self, geometry: KVGeometry, capacity: int, block_size: int = BLOCK_SIZE,
-                 pool: BlockPool | None = None):
-        super().__init__(geometry, capacity)
+                 pool: BlockPool | None = None, dtype: str = F32):
+        super().__init__(geometry, capacity, dtype)
         self.pool = pool or BlockPool.for_tokens(geometry, capacity, block_size)
         self.table: list[int] = []  # pool block of positions [i * block_size, (i + 1) * block_size)
         self.table_array = np.zeros(0, np.int32)  # the same, as the attention kernel reads it
@@ -147,7 +148,10 @@ class PagedKVCache(KVCache):
         self._last_hash: int | None = None
 
     @classmethod
-    def planned_nbytes(cls, geometry: KVGeometry, capacity: int, block_size: int = BLOCK_SIZE) -> int:
+    def planned_nbytes(
+        cls, geometry: KVGeometry, capacity: int, block_size: int = BLOCK_SIZE, dtype: str = F32
+    ) -> int:
+        cls.element_type(dtype)
         return geometry.nbytes(blocks_for(capacity, block_size) * block_size, ITEMSIZE)
 
     @property
@@ -278,15 +282,7 @@ def attend_blocks(q: np.ndarray, keys: np.ndarray, values: np.ndarray, table: np
                 for j in range(head_dim):
                     acc += qh[j] * kh[j]
                 weights[h, s] = acc * scale
-    for h in range(n_heads):
-        wh = weights[h, :n_pos]
-        top = wh.max()
-        total = np.float32(0.0)
-        for s in range(n_pos):
-            wh[s] = exp_f32(wh[s] - top)
-            total += wh[s]
-        stats[h, 0] = top
-        stats[h, 1] = total
+    softmax_span(weights, n_pos, stats)
     out[:] = 0.0
     for s in range(n_pos):
         block, row = table[(s0 + s) // block_size], (s0 + s) % block_size
@@ -310,7 +306,6 @@ def paged_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, tables:
     parallel, then each sequence's spans are rescaled to its global maximum and summed.
     """
     n_seq, width = q.shape
-    head_dim = width // n_heads
     first = np.zeros(n_seq + 1, np.int64)  # sequence b's spans are first[b] .. first[b + 1] - 1
     for b in range(n_seq):
         first[b + 1] = first[b] + (lengths[b] + DECODE_SPAN - 1) // DECODE_SPAN
@@ -325,21 +320,7 @@ def paged_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, tables:
         s1 = min(s0 + DECODE_SPAN, lengths[b])
         weights = np.empty((n_heads, s1 - s0), np.float32)
         attend_blocks(q[b], keys, values, tables[b], s0, s1, n_heads, weights, partial[t], stats[t])
-    out = np.zeros_like(q)
+    out = np.empty_like(q)
     for b in range(n_seq):
-        for h in range(n_heads):
-            top = stats[first[b], h, 0]
-            for c in range(first[b] + 1, first[b + 1]):
-                top = max(top, stats[c, h, 0])
-            total = np.float32(0.0)
-            oh = out[b, h * head_dim : (h + 1) * head_dim]
-            for c in range(first[b], first[b + 1]):
-                rescale = np.float32(exp_f32(stats[c, h, 0] - top))
-                total += rescale * stats[c, h, 1]
-                ph = partial[c, h * head_dim : (h + 1) * head_dim]
-                for j in range(head_dim):
-                    oh[j] += rescale * ph[j]
-            inv = np.float32(1.0) / total
-            for j in range(head_dim):
-                oh[j] *= inv
+        out[b] = combine_spans(partial[first[b] : first[b + 1]], stats[first[b] : first[b + 1]], n_heads)
     return out

@@ -2,53 +2,66 @@
 
 from __future__ import annotations
 
-import math
-import mmap
-
 import numpy as np
 
 from inferno.kv.base import KVCache
+from inferno.kv.dtypes import DTYPES, F32
 from inferno.kv.geometry import KVGeometry
+from inferno.kv.memory import lazy_zeros
 
-ITEMSIZE = np.dtype(np.float32).itemsize
+__all__ = ["PreallocKVCache", "lazy_zeros"]
 
 
 class PreallocKVCache(KVCache):
-    """Writes into K and V buffers of [layers, capacity, kv_width] allocated once; reset keeps them."""
+    """Writes into buffers for the whole capacity allocated once; reset keeps them.
+
+    With a row element type they are K and V of [layers, capacity, row]: kv_width float32 values, or
+    their encoded form (e.g. q8_0 blocks), which decode attention reads directly. The element type
+    owns the buffers (`make_store`), so one that groups positions (q4_kivi) fits as well.
+    """
 
     kind = "prealloc"
+    dtypes = tuple(DTYPES)
 
-    def __init__(self, geometry: KVGeometry, capacity: int):
-        super().__init__(geometry, capacity)
-        shape = (geometry.layers, capacity, geometry.kv_width)
-        self.keys = lazy_zeros(shape)  # float32 [layers, capacity, kv_width]
-        self.values = lazy_zeros(shape)
+    def __init__(self, geometry: KVGeometry, capacity: int, dtype: str = F32):
+        super().__init__(geometry, capacity, dtype)
+        self.store = self.dtype.make_store(geometry, capacity)
+
+    @property
+    def keys(self) -> np.ndarray:
+        """K of a row element type, [layers, capacity, row]."""
+        return self.store.keys
+
+    @property
+    def values(self) -> np.ndarray:
+        return self.store.values
 
     @classmethod
-    def planned_nbytes(cls, geometry: KVGeometry, capacity: int) -> int:
-        return geometry.nbytes(capacity, ITEMSIZE)
+    def planned_nbytes(cls, geometry: KVGeometry, capacity: int, dtype: str = F32) -> int:
+        return cls.element_type(dtype).nbytes(geometry, capacity)
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return self.store.nbytes
 
     def _store(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
-        self.keys[layer, pos : pos + k.shape[0]] = k
-        self.values[layer, pos : pos + v.shape[0]] = v
+        self.store.write(layer, pos, k, v)
+
+    def _store_stored(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
+        self.store.write_stored(layer, pos, k, v)
 
     def _rows(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.keys[layer, :end], self.values[layer, :end]
+        return self.store.read(layer, end)
+
+    def stored_rows(self, layer: int, end: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        end = self.length if end is None else end
+        if end > self._written[layer]:
+            raise ValueError(f"layer {layer} holds {self._written[layer]} rows, {end} asked for")
+        return self.store.stored(layer, end)
+
+    def attend(self, layer: int, query: np.ndarray, end: int) -> np.ndarray:
+        window = self.geometry.window(layer)  # a sliding layer attends over its last `window` positions
+        return self.store.attend(layer, query, end, 0 if window is None else max(end - window, 0))
 
     def _clear(self) -> None:
-        pass  # stale rows past `length` are never read
-
-
-def lazy_zeros(shape: tuple[int, ...]) -> np.ndarray:
-    """float32 zeros in fresh anonymous memory, made resident page by page (4 KiB) as rows are written.
-
-    np.zeros would do the same, except that numpy asks Linux for transparent huge pages on large
-    arrays: the first row written in each layer then makes 2 MiB resident, 120 MiB for a 4096-token
-    SmolLM2 cache holding 36 tokens.
-    """
-    count = math.prod(shape)
-    return np.frombuffer(mmap.mmap(-1, max(4 * count, 1)), np.float32, count).reshape(shape)
+        self.store.clear()

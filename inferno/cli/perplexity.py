@@ -1,0 +1,82 @@
+"""`kv-perplexity [MODEL.gguf] --text FILE`: a text's perplexity through the full cache and a window
+cache, side by side, with what each holds."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from time import perf_counter
+
+import click
+
+from inferno.cli.common import blame, console, default_model, progress_on, run, set_threads
+from inferno.errors import InfernoError
+from inferno.kv import DEFAULT_KIND
+from inferno.kv.window import DEFAULT_SINKS, POSITIONS
+
+PROG = "kv-perplexity"
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("model", required=False, type=click.Path(dir_okay=False))
+@click.option("--text", "text_file", required=True, type=click.Path(dir_okay=False), metavar="FILE",
+              help="The text to score (UTF-8).")
+@click.option("--window", type=int, required=True, metavar="W", help="Positions each layer's window holds.")
+@click.option("--sinks", type=int, default=DEFAULT_SINKS, show_default=True, help="First positions kept.")
+@click.option("--threads", type=int, default=None, help="Threads for the kernels (default: all cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+def command(model, text_file, window, sinks, threads, as_json):
+    """Perplexity of a text teacher-forced through the full cache (prealloc) and a window cache with
+    each way of handling positions: what the window costs in quality, and the memory it saves."""
+    set_threads(threads)
+    try:
+        text = Path(text_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InfernoError(f"cannot read --text {text_file}: {exc}") from None
+    from inferno.engine import Engine
+    from inferno.perplexity import perplexity, token_nll
+
+    engine = Engine.load(model or default_model(), progress=None if as_json else progress_on(console(True)))
+    ids = engine.tokenizer.encode(text)
+    if len(ids) < 2:
+        raise InfernoError(f"--text {text_file} has {len(ids)} token(s): nothing to score")
+    runs = [(DEFAULT_KIND, {})] if len(ids) <= engine.config.context_length else []
+    runs += [("window", {"window": window, "sinks": sinks, "positions": p}) for p in POSITIONS]
+    rows = []
+    for kind, options in runs:
+        with blame("--window", window):
+            cache = engine.make_cache(kind, len(ids), 0, **options)
+        t = perf_counter()
+        nll = token_nll(engine.model, ids, cache)
+        rows.append({"cache": kind, **options, "perplexity": perplexity(nll), "mean_nll": float(nll.mean()),
+                     "cache_bytes": cache.nbytes, "evicted_tokens": cache.evicted_tokens,
+                     "seconds": perf_counter() - t})
+    full = rows[0]["perplexity"] if rows[0]["cache"] == DEFAULT_KIND else None
+    for row in rows:
+        row["vs_full"] = row["perplexity"] / full if full else None
+    if as_json:
+        json.dump({"text": text_file, "tokens": len(ids), "scored": len(ids) - 1, "runs": rows}, sys.stdout)
+        print()
+        return
+    from rich.table import Table
+
+    from inferno.cli.display import fmt_bytes
+
+    table = Table(title=f"{text_file}: {len(ids):,} tokens, {len(ids) - 1:,} scored", title_justify="left")
+    for name in ("cache", "positions", "perplexity", "vs full", "cache bytes", "evicted"):
+        table.add_column(name, justify="left" if name in ("cache", "positions") else "right")
+    for row in rows:
+        label = row["cache"] if "window" not in row else f"window {row['window']} + {row['sinks']} sinks"
+        table.add_row(label, row.get("positions", "all"), f"{row['perplexity']:.3f}",
+                      f"{row['vs_full']:.4f}x" if row["vs_full"] else "n/a",
+                      fmt_bytes(row["cache_bytes"]), f"{row['evicted_tokens']:,}")
+    console().print(table)
+
+
+def main() -> None:
+    run(command, PROG)
+
+
+if __name__ == "__main__":
+    main()

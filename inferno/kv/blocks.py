@@ -1,0 +1,184 @@
+"""Numba kernels for cache rows kept in a compact element type: encoding rows as they are written,
+decoding them back, and decode attention that reads the stored rows directly.
+
+A stored row is the bytes of one token's K (or V) in one layer, all KV heads side by side:
+- FMT_F16: IEEE half floats, 2 bytes a value;
+- FMT_Q8_0, FMT_Q4_0: llama.cpp's blocks of 32 values along head_dim, byte for byte (an f16 scale d,
+  then 32 int8 values x = d * q, or 16 bytes of 4-bit q with x = d * (q - 8): low nibbles hold the
+  block's first 16 values, high nibbles the last 16).
+
+With `rotate`, each head's 64 (any power of two) values are multiplied by the orthonormal Hadamard
+matrix before they are rounded: the few huge channels of a key (RoPE's slow dimensions) are spread
+over all of them, so one block scale fits them all. The rotation is its own inverse, and attention
+never needs to undo it on the cache: q . k = (Hq) . (Hk), and sum_s w_s Hv_s = H (sum_s w_s v_s), so
+the query is rotated once and the output rotated back once per step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from inferno.kernels import attend_span, combine_spans
+
+FMT_F16, FMT_Q8_0, FMT_Q4_0 = 0, 1, 2
+BLOCK = 32  # values per q8_0 / q4_0 block
+DECODE_CHUNK = 128  # stored rows decoded at a time by attention, into a float scratch that stays in L2
+
+
+@njit(cache=True)
+def block_bytes(fmt: int) -> int:
+    """Bytes of one block of 32 values, its f16 scale included."""
+    return 34 if fmt == FMT_Q8_0 else 18
+
+
+@intrinsic
+def half_to_float(typingctx, bits):
+    """The float32 value of the IEEE half whose bits are the uint16 `bits` (exact)."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def float_to_half(typingctx, x):
+    """The bits of the IEEE half nearest the float32 `x` (ties to even, as numpy's astype)."""
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return sig, codegen
+
+
+@njit(cache=True, fastmath=True)
+def hadamard_rows(x: np.ndarray, head_dim: int) -> None:
+    """Each head_dim slice of each row of x [n, w] times the orthonormal Hadamard matrix, in place
+    (fast Walsh-Hadamard transform: log2(head_dim) passes of butterflies, then 1/sqrt(head_dim))."""
+    norm = np.float32(1.0 / math.sqrt(head_dim))
+    for i in range(x.shape[0]):
+        for base in range(0, x.shape[1], head_dim):
+            h = x[i, base : base + head_dim]
+            step = 1
+            while step < head_dim:
+                for start in range(0, head_dim, 2 * step):
+                    for j in range(start, start + step):
+                        a, b = h[j], h[j + step]
+                        h[j], h[j + step] = a + b, a - b
+                step *= 2
+            for j in range(head_dim):
+                h[j] *= norm
+
+
+@njit(cache=True)
+def encode_rows(x: np.ndarray, fmt: int, out: np.ndarray) -> None:
+    """Rows x [n, w] float32 stored as `fmt` into out [n, row_bytes] uint8.
+
+    No fastmath: scales and rounding follow llama.cpp's reference quantizers (and gguf-py's) to the bit,
+    which a reciprocal approximation of `/ 127` would break.
+    """
+    n, w = x.shape
+    if fmt == FMT_F16:
+        halves = out.view(np.uint16)
+        for i in range(n):
+            for j in range(w):
+                halves[i, j] = float_to_half(x[i, j])
+        return
+    size = block_bytes(fmt)
+    for i in range(n):
+        for b in range(w // BLOCK):
+            src = x[i, b * BLOCK : (b + 1) * BLOCK]
+            dst = out[i, b * size : (b + 1) * size]
+            if fmt == FMT_Q8_0:
+                amax = np.float32(0.0)
+                for j in range(BLOCK):
+                    amax = max(amax, abs(src[j]))
+                d = amax / np.float32(127.0)
+                inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+                for j in range(BLOCK):
+                    v = src[j] * inv
+                    a = abs(v)
+                    r = np.floor(a) + np.floor(np.float32(2.0) * (a - np.floor(a)))  # roundf: ties away
+                    dst[2 + j] = np.uint8(np.int32(r if v >= 0 else -r) & 0xFF)
+            else:
+                top = src[0]
+                for j in range(1, BLOCK):
+                    if abs(src[j]) > abs(top):
+                        top = src[j]
+                d = top / np.float32(-8.0)
+                inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+                for j in range(BLOCK // 2):
+                    lo = min(15, int(src[j] * inv + np.float32(8.5)))
+                    hi = min(15, int(src[j + BLOCK // 2] * inv + np.float32(8.5)))
+                    dst[2 + j] = np.uint8(lo | (hi << 4))
+            bits = float_to_half(d)
+            dst[0] = np.uint8(bits & 0xFF)
+            dst[1] = np.uint8(bits >> 8)
+
+
+@njit(cache=True, fastmath=True)
+def decode_rows(raw: np.ndarray, fmt: int, out: np.ndarray) -> None:
+    """Stored rows raw [n, row_bytes] back to float32 out [n, w]."""
+    n, w = out.shape
+    if fmt == FMT_F16:
+        halves = raw.view(np.uint16)
+        for i in range(n):
+            for j in range(w):
+                out[i, j] = half_to_float(halves[i, j])
+        return
+    size = block_bytes(fmt)
+    signed = raw.view(np.int8)
+    for i in range(n):
+        for b in range(w // BLOCK):
+            o = b * size
+            d = half_to_float(np.uint16(raw[i, o]) | (np.uint16(raw[i, o + 1]) << 8))
+            dst = out[i, b * BLOCK : (b + 1) * BLOCK]
+            if fmt == FMT_Q8_0:
+                quants = signed[i, o + 2 : o + 2 + BLOCK]
+                for j in range(BLOCK):
+                    dst[j] = d * np.float32(quants[j])
+            else:
+                nibbles = raw[i, o + 2 : o + 2 + BLOCK // 2]
+                for j in range(BLOCK // 2):
+                    dst[j] = d * np.float32(np.int32(nibbles[j] & 0xF) - 8)
+                    dst[j + BLOCK // 2] = d * np.float32(np.int32(nibbles[j] >> 4) - 8)
+
+
+@njit(cache=True, fastmath=True, parallel=True)
+def attention_decode_rows(
+    q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: int, fmt: int, rotate: bool
+) -> np.ndarray:
+    """kernels.attention_decode over stored rows keys, values [S, row_bytes] uint8 of format `fmt`.
+
+    Spans of DECODE_CHUNK positions run in parallel; each decodes its K and V rows into a small float
+    scratch that stays in cache and attends over it, so the cache is read once in its compact form and
+    never copied out whole. With `rotate` the rows hold Hadamard-rotated heads (see the module).
+    """
+    n_pos = keys.shape[0]
+    head_dim = q.shape[0] // n_heads
+    width = keys.shape[1] // 2 if fmt == FMT_F16 else keys.shape[1] // block_bytes(fmt) * BLOCK
+    query = q.copy().reshape(1, -1)
+    if rotate:
+        hadamard_rows(query, head_dim)
+    n_spans = (n_pos + DECODE_CHUNK - 1) // DECODE_CHUNK
+    partial = np.empty((n_spans, q.shape[0]), np.float32)
+    stats = np.empty((n_spans, n_heads, 2), np.float32)
+    for c in prange(n_spans):
+        s0, s1 = c * DECODE_CHUNK, min((c + 1) * DECODE_CHUNK, n_pos)
+        k = np.empty((s1 - s0, width), np.float32)
+        v = np.empty((s1 - s0, width), np.float32)
+        decode_rows(keys[s0:s1], fmt, k)
+        decode_rows(values[s0:s1], fmt, v)
+        weights = np.empty((n_heads, s1 - s0), np.float32)
+        attend_span(query[0], k, v, n_heads, weights, partial[c], stats[c])
+    out = combine_spans(partial, stats, n_heads).reshape(1, -1)
+    if rotate:
+        hadamard_rows(out, head_dim)
+    return out[0]

@@ -1,0 +1,253 @@
+"""`--kv window`: sinks plus a ring buffer per sliding layer. What it holds after many writes, what it
+refuses, that it equals the full cache while the sequence fits, and what it costs on a real text."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from conftest import FIXTURES
+
+from inferno.cli.generate import main as generate_main
+from inferno.errors import InfernoError
+from inferno.gguf_file import open_gguf
+from inferno.kernels import Rotary, attention_window
+from inferno.kv import KVGeometry, make_cache
+from inferno.kv.window import WindowKVCache
+from inferno.model import Transformer
+from inferno.snapshot import Snapshot
+
+LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 4
+WIDTH = KV_HEADS * HEAD_DIM
+GEOMETRY = KVGeometry(layers=LAYERS, kv_heads=KV_HEADS, heads=4, head_dim=HEAD_DIM)
+ROTARY = [Rotary(np.array([1.0, 0.1], np.float32), neox=False)] * 8  # per layer, for any test geometry
+TEXT = FIXTURES / "execution_model.txt"
+
+
+def window_cache(window=5, sinks=2, positions="shift", capacity=64, geometry=GEOMETRY):
+    return WindowKVCache(geometry, capacity, window=window, sinks=sinks, positions=positions, rotary=ROTARY)
+
+
+def rows_of(positions) -> np.ndarray:
+    """A row whose every value names its position: what a slot holds is readable."""
+    return np.repeat(np.asarray(positions, np.float32)[:, None], WIDTH, axis=1)
+
+
+def feed(cache, n: int, chunk: int) -> None:
+    end = cache.length + n
+    for start in range(cache.length, end, chunk):
+        at = np.arange(start, min(start + chunk, end))
+        for layer in range(LAYERS):
+            cache.write(layer, start, rows_of(at), -rows_of(at))
+        cache.commit(len(at))
+
+
+@pytest.mark.parametrize("positions", ["shift", "original"])
+@pytest.mark.parametrize("chunk", [1, 3, 40])
+def test_after_many_writes_it_holds_exactly_the_sinks_and_the_last_window(positions, chunk):
+    cache = window_cache(window=5, sinks=2, positions=positions)
+    feed(cache, 23, chunk)
+    assert cache.length == 23 and cache.evicted_tokens == 23 - 7
+    for layer in range(LAYERS):
+        at, keys, values = cache.held_rows(layer)
+        assert at.tolist() == [0, 1, 18, 19, 20, 21, 22]
+        np.testing.assert_array_equal(keys, rows_of(at))
+        np.testing.assert_array_equal(values, -rows_of(at))
+    # the ring: position 18 is in slot 2 + (18 - 2) % 5 = 3, written over 3, 8 and 13 before it
+    assert cache.keys[0][:, 0].tolist() == [0, 1, 22, 18, 19, 20, 21]
+
+
+def test_before_it_wraps_it_is_laid_out_as_prealloc():
+    cache = window_cache(window=5, sinks=2)
+    feed(cache, 7, chunk=2)
+    assert cache.evicted_tokens == 0
+    np.testing.assert_array_equal(cache.read(1)[0], rows_of(range(7)))
+    np.testing.assert_array_equal(cache.head_rows(1, 1, 2, 7)[1], -rows_of(range(2, 7))[:, HEAD_DIM:])
+
+
+def test_evicted_positions_are_an_error_not_stale_rows():
+    cache = window_cache(window=5, sinks=2)
+    feed(cache, 12, chunk=1)
+    with pytest.raises(InfernoError, match=r"positions 0\.\.11: it holds sinks 0\.\.1 and positions 7\.\.11"):
+        cache.read(0)
+    with pytest.raises(IndexError, match=r"positions 2\.\.6 of layer 1 were evicted"):
+        cache.head_rows(1, 0, 0, 12)
+    keys, _ = cache.head_rows(1, 0, 8, 12)  # held: fine
+    np.testing.assert_array_equal(keys, rows_of(range(8, 12))[:, :HEAD_DIM])
+    np.testing.assert_array_equal(cache.read(0, 2)[0], rows_of([0, 1]))  # the sinks stay readable
+
+
+def test_shift_moves_only_the_sink_keys_by_the_slide():
+    cache = window_cache(window=5, sinks=2, positions="shift")
+    feed(cache, 11, chunk=11)
+    cache.attend(0, np.ones(4 * HEAD_DIM, np.float32), 11)  # the query at 10: slid by 10 - 6 = 4
+    moved = rows_of([0, 1])
+    ROTARY[0].rotate(moved, KV_HEADS, np.array([4, 4]))
+    np.testing.assert_allclose(cache.keys[0][:2], moved, atol=1e-6)
+    np.testing.assert_array_equal(cache.held_rows(0)[1][:2], rows_of([0, 1]))  # the originals are kept
+
+
+def test_sliding_layers_never_refuse_global_layers_do():
+    mixed = KVGeometry(layers=LAYERS, kv_heads=KV_HEADS, heads=4, head_dim=HEAD_DIM, windows=(4, None))
+    cache = WindowKVCache(mixed, capacity=8, sinks=1, positions="original")
+    cache.write(0, 0, rows_of(range(50)), rows_of(range(50)))  # far past the capacity: evicts
+    assert cache.held_positions(0).tolist() == [0, 46, 47, 48, 49]
+    with pytest.raises(InfernoError, match="sized for 8"):
+        cache.write(1, 0, rows_of(range(9)), rows_of(range(9)))
+    assert cache.nbytes == WindowKVCache.planned_nbytes(mixed, 8, sinks=1, positions="original")
+    assert cache.nbytes == 2 * (1 + 4 + 8) * WIDTH * 4
+
+
+@pytest.mark.parametrize("positions", ["shift", "original"])
+def test_memory_is_the_planned_bytes_and_stays_flat(positions):
+    cache = window_cache(window=5, sinks=2, positions=positions)
+    before = cache.nbytes
+    feed(cache, 40, chunk=3)
+    sink_copies = 2 * LAYERS if positions == "shift" else 0  # keys of the sinks at their own rotation
+    assert cache.nbytes == before == (2 * LAYERS * 7 + sink_copies) * WIDTH * 4
+    assert cache.nbytes == WindowKVCache.planned_nbytes(GEOMETRY, 64, window=5, sinks=2, positions=positions)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(window=0), "at least 1 position"),
+        (dict(window=4, sinks=4), "4 sinks must be fewer than the window of 4"),
+        (dict(window=62, sinks=4), "window of 62 \\+ 4 sinks is more than the cache's 64"),
+        (dict(window=8, positions="middle"), "unknown window positions 'middle'"),
+        (dict(sinks=2), "needs a window"),
+        (dict(window=8, sinks=-1), "0 or more"),
+    ],
+)
+def test_bad_settings_are_refused(options, message):
+    with pytest.raises(InfernoError, match=message):
+        make_cache("window", GEOMETRY, 64, rotary=ROTARY, **options)
+
+
+def test_window_options_are_refused_for_other_kinds():
+    with pytest.raises(InfernoError, match="window do not apply to a 'prealloc' cache"):
+        make_cache("prealloc", GEOMETRY, 64, window=8)
+
+
+def test_windowed_attention_is_each_querys_softmax_over_what_it_may_see():
+    rng = np.random.default_rng(0)
+    n_heads, head_dim, kv_heads, window, sinks = 4, 8, 2, 6, 2
+    key_pos = rng.permutation(30)  # the order of the rows must not matter
+    keys = rng.standard_normal((30, kv_heads * head_dim), dtype=np.float32)
+    values = rng.standard_normal((30, kv_heads * head_dim), dtype=np.float32)
+    q = rng.standard_normal((12, n_heads * head_dim), dtype=np.float32)
+    got = attention_window(q, keys, values, key_pos, 18, n_heads, window, sinks, block=5)
+    for t in range(12):
+        at = 18 + t
+        seen = (key_pos <= at) & ((key_pos < sinks) | (key_pos > at - window))
+        assert seen.sum() == sinks + window
+        for h in range(n_heads):
+            g = h // (n_heads // kv_heads)
+            k = keys[seen][:, g * head_dim : (g + 1) * head_dim].astype(np.float64)
+            v = values[seen][:, g * head_dim : (g + 1) * head_dim].astype(np.float64)
+            s = k @ q[t, h * head_dim : (h + 1) * head_dim] / np.sqrt(head_dim)
+            w = np.exp(s - s.max())
+            np.testing.assert_allclose(got[t, h * head_dim : (h + 1) * head_dim], w @ v / w.sum(), atol=1e-5)
+
+
+# -- on models ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return Transformer.from_gguf(open_gguf(FIXTURES / "tiny_llama.gguf"))
+
+
+def test_tiny_model_logits_are_prealloc_bits_while_the_sequence_fits(tiny):
+    ids = np.random.default_rng(2).integers(0, tiny.config.vocab_size, 60)
+    full = make_cache("prealloc", tiny.config.kv_geometry, len(ids))
+    window = make_cache("window", tiny.config.kv_geometry, 256, window=56,  # + 4 sinks
+                        rotary=tiny.layer_rotary)
+    logits = {}
+    for name, cache in (("full", full), ("window", window)):
+        logits[name] = [tiny.prefill(ids[:3], cache)]
+        logits[name] += [tiny.decode(int(t), p, cache) for p, t in enumerate(ids[3:], start=3)]
+    np.testing.assert_array_equal(np.array(logits["window"]), np.array(logits["full"]))
+
+
+@pytest.mark.parametrize("positions", ["shift", "original"])
+def test_tiny_model_runs_past_its_context_and_prefill_agrees_with_decode(tiny, positions):
+    """300 positions through a model trained for 256: the prompt at once, or token by token."""
+    context = tiny.config.context_length
+    ids = np.random.default_rng(1).integers(0, tiny.config.vocab_size, context + 44)
+
+    def cache():
+        return make_cache("window", tiny.config.kv_geometry, context, window=32, positions=positions,
+                          rotary=tiny.layer_rotary)
+
+    at_once = cache()
+    prefilled = tiny.prefill(ids, at_once, every_logit=True)
+    stepped = cache()
+    decoded = [tiny.prefill(ids[:1], stepped)]
+    decoded += [tiny.decode(int(t), p, stepped) for p, t in enumerate(ids[1:], start=1)]
+    np.testing.assert_allclose(prefilled, np.array(decoded), rtol=0, atol=1e-4)
+    assert np.isfinite(prefilled).all()
+    assert at_once.evicted_tokens == stepped.evicted_tokens == len(ids) - 36
+    assert at_once.nbytes == stepped.nbytes == cache().nbytes
+
+
+def test_smollm2_tokens_equal_prealloc_while_they_fit_and_memory_stays_flat_after(engine):
+    full = engine.generate("Once upon a time", 40, kv="prealloc", ignore_eos=True)
+    fits = engine.generate("Once upon a time", 40, kv="window", window=60, ignore_eos=True)
+    assert fits.token_ids == full.token_ids and fits.metrics.evicted_tokens == 0
+    slides = engine.generate("Once upon a time", 40, kv="window", window=16, ignore_eos=True)
+    assert slides.metrics.evicted_tokens == 4 + 39 - 20
+    assert slides.metrics.cache_bytes == 2 * 30 * 20 * 192 * 4 + 30 * 4 * 192 * 4  # + the sinks' own keys
+    assert slides.token_ids[:12] == full.token_ids[:12]  # identical until the window slides
+
+
+def test_only_a_window_cache_may_run_past_the_models_context(engine):
+    context = engine.config.context_length
+    cache = engine.make_cache("window", 10, context, window=64)
+    assert cache.evicts and cache.capacity == 64 + 4  # what it holds at most
+    with pytest.raises(InfernoError, match="more than the model's context"):
+        engine.make_cache("prealloc", 10, context)
+    with pytest.raises(InfernoError, match="longer than the model's context"):
+        engine.make_cache("prealloc", context + 1, 1)
+    assert engine.make_cache("window", context + 1, 1, window=64).length == 0
+
+
+def test_perplexity_of_a_long_text_stays_close_to_the_full_caches(engine):
+    """The first 1,024 tokens of the text (8 windows) with a 128-token window and 4 sinks."""
+    from inferno.perplexity import perplexity, token_nll
+
+    ids = engine.tokenizer.encode(TEXT.read_text(encoding="utf-8"))[:1024]
+    full = perplexity(token_nll(engine.model, ids, engine.make_cache("prealloc", len(ids), 0)))
+    window = engine.make_cache("window", len(ids), 0, window=128)
+    windowed = perplexity(token_nll(engine.model, ids, window))
+    assert window.evicted_tokens == 1023 - 132
+    assert 1.0 < windowed / full < 1.20  # measured: 12.99 -> 14.72, 1.13x
+
+
+def test_a_window_snapshot_is_saved_until_it_evicts_then_refused(engine, tmp_path):
+    prompt = engine.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
+    cache = engine.make_cache("window", len(prompt), 1, window=len(prompt) + 4)
+    engine.model.prefill(np.array(prompt), cache)
+    path = tmp_path / "window.safetensors"
+    Snapshot.from_cache(cache, prompt, engine.config, engine.fingerprint).save(path)
+    restored = engine.make_cache("window", len(prompt), 1, window=8)  # loads into a smaller window too
+    assert Snapshot.load(path).restore(restored, [*prompt, 42]) == len(prompt)
+    assert restored.evicted_tokens == len(prompt) - 12
+    with pytest.raises(InfernoError, match="no longer holds positions"):
+        Snapshot.from_cache(restored, prompt, engine.config, engine.fingerprint)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--kv", "prealloc", "--window", "8"], "apply to --kv window"),
+        (["--kv", "window"], "needs a window"),
+        (["--kv", "window", "--window", "8", "--sinks", "8"], "8 sinks must be fewer than the window of 8"),
+        (["--kv", "window", "--window", "64", "--max-context", "32"], r"32 tokens \(--max-context 32\)"),
+    ],
+)
+def test_cli_refuses_bad_window_settings_in_one_line(run_main, model_path, args, message):
+    code, out, err = run_main(generate_main, "model-generate", *args, model_path, "Hello", "4")
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and re.search(message, err)
