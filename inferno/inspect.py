@@ -1,5 +1,6 @@
 """What a KV cache holds, as plain data: the cache a prompt fills, the tokens at its positions, the mean
-L2 norm of K and V per layer and KV head, and the attention weights of a layer's last query.
+L2 norm of K and V per layer and KV head, and the attention weights of a layer's last query; for a
+paged cache, how its sequences sit in the block pool (block tables, reference counts, fragmentation).
 
 Everything is read through the cache protocol (`read`, `head_rows`), so every kind can be inspected,
 and a snapshot is inspected as the cache it was saved from.
@@ -15,6 +16,7 @@ import numpy as np
 
 from inferno.errors import InfernoError
 from inferno.kv import DEFAULT_DTYPE, KVCache, KVGeometry, make_cache
+from inferno.kv.paged import BLOCK_SIZE, PagedKVCache
 from inferno.snapshot import Snapshot
 from inferno.validate import check_logits, refusing_non_finite
 
@@ -47,6 +49,71 @@ def fill_cache(
         if not last:
             ids.append(int(np.argmax(logits)))  # greedy
     return cache, ids, queries
+
+
+def fill_paged(
+    engine: Engine, prompt_ids: Sequence[int], n_decode: int, samples: int, block_size: int = BLOCK_SIZE,
+    max_context: int | None = None, **options,
+) -> tuple[list[PagedKVCache], list[int], list[np.ndarray]]:
+    """The prompt into one paged sequence, forked into `samples` sequences sharing its blocks, which
+    decode n_decode greedy tokens together: (the sequences, sequence 0's token ids, its queries).
+
+    The prompt's last token is decoded by each fork, so a shared partial block is copied on write
+    as it is when model-generate --num-samples runs; greedy sequences hold the same tokens.
+    """
+    from inferno.batching import samples_pool
+
+    # refused before any work if it cannot fit
+    capacity = engine.make_cache("paged", len(prompt_ids), n_decode, max_context, block_size=block_size,
+                                 **options).capacity
+    model, ids = engine.model, list(prompt_ids)
+    shared = len(ids) - 1  # the forks share the prompt before its last token
+    pool = samples_pool(engine.config.kv_geometry, shared, capacity - shared, samples, block_size)
+    first = PagedKVCache(pool.geometry, capacity, pool=pool)
+    with refusing_non_finite(shared):
+        if shared:
+            model.prefill(np.array(ids[:-1]), first)
+    caches = [first] + [first.fork() for _ in range(samples - 1)]
+    queries: list[np.ndarray] = []
+    for _ in range(n_decode):
+        with refusing_non_finite(len(ids) - 1):
+            logits = model.decode_batch([ids[-1]] * samples, caches)
+        check_logits(logits[0], len(ids) - 1)
+        ids.append(int(np.argmax(logits[0])))  # greedy: every sequence takes the same token
+    with refusing_non_finite(len(ids) - 1):
+        model.decode(ids[-1], len(ids) - 1, first, queries=queries)
+        if samples > 1:
+            model.decode_batch([ids[-1]] * (samples - 1), caches[1:])
+    return caches, ids, queries
+
+
+def pool_layout(caches: Sequence[PagedKVCache]) -> dict[str, Any]:
+    """How paged sequences of one pool sit in it: each one's block table, every block's reference
+    count, the free blocks, and slots allocated (held blocks x block size) against slots used
+    (positions written in them, a shared block counted once)."""
+    pool = caches[0].pool
+    if any(cache.pool is not pool for cache in caches):
+        raise ValueError("the sequences are in different block pools")
+    bs = pool.block_size
+    filled: dict[int, int] = {}  # held block -> rows written in it
+    for cache in caches:
+        for i, block in enumerate(cache.table):
+            filled[block] = max(filled.get(block, 0), min(bs, max(cache.length - i * bs, 0)))
+    refs = pool.refs.tolist()
+    return {
+        "block_size": bs,
+        "pool_blocks": pool.n_blocks,
+        "block_bytes": pool.block_nbytes,
+        "blocks": [{"sequence": n, "length": c.length, "table": list(c.table)} for n, c in enumerate(caches)],
+        "refcounts": refs,
+        "shared_blocks": [block for block, count in enumerate(refs) if count > 1],
+        "free_blocks": [block for block, count in enumerate(refs) if count == 0],
+        "slots_allocated": len(filled) * bs,
+        "slots_used": sum(filled.values()),
+        "tokens_held": sum(c.length for c in caches),  # positions of every sequence: unshared, this many
+        "bytes_held": pool.used_nbytes,
+        "pool_bytes": pool.nbytes,
+    }
 
 
 def cache_of(snapshot: Snapshot) -> KVCache:
@@ -143,12 +210,22 @@ def inspect_snapshot(snapshot: Snapshot) -> dict[str, Any]:
 
 def inspect_prompt(
     engine: Engine, prompt_ids: Sequence[int], n_decode: int = 0, layer: int | None = None,
-    max_context: int | None = None, kind: str = INSPECTED_KIND, dtype: str = DEFAULT_DTYPE, **options,
+    max_context: int | None = None, kind: str = INSPECTED_KIND, dtype: str = DEFAULT_DTYPE, samples: int = 1,
+    **options,
 ) -> dict[str, Any]:
     """The report of a cache of `kind` filled with the prompt and n_decode greedy tokens; with `layer`,
     also the attention weights of that layer's last query. With `dtype`, the float rows are stored in
-    that element type and the report says what it loses (`key_error`, `value_error`)."""
-    cache, ids, queries = fill_cache(engine, prompt_ids, n_decode, max_context, kind, **options)
+    that element type and the report says what it loses (`key_error`, `value_error`). A paged cache is
+    forked into `samples` sequences and the report adds their pool layout; its contents are sequence 0's."""
+    layout: dict[str, Any] = {}
+    if kind == "paged":
+        caches, ids, queries = fill_paged(engine, prompt_ids, n_decode, samples,
+                                          options.pop("block_size", BLOCK_SIZE), max_context, **options)
+        cache, layout = caches[0], pool_layout(caches)
+    elif samples != 1:
+        raise InfernoError(f"more than one sequence needs a paged cache, not {kind}")
+    else:
+        cache, ids, queries = fill_cache(engine, prompt_ids, n_decode, max_context, kind, **options)
     errors = None
     if dtype != DEFAULT_DTYPE:
         cache, *errors = requantized(cache, dtype)
@@ -159,7 +236,7 @@ def inspect_prompt(
     texts = [engine.tokenizer.token_text(ids[pos]) for pos in held]
     report = {"cache": cache.kind}
     report |= build_report(view, [ids[pos] for pos in held], engine.config.architecture, engine.fingerprint,
-                           texts, held)
+                           texts, held) | layout
     if errors is not None:
         report["key_error"], report["value_error"] = errors
     if cache.evicts:

@@ -102,6 +102,43 @@ def test_max_context_leaves_room(kv_inspect, model_path):
     assert "attention" not in r
 
 
+def test_paged_pool_layout_of_forked_samples(kv_inspect, model_path, filled):
+    """3 sequences forked from a 4-token prompt, blocks of 2, 2 greedy tokens each: the first 3 prompt
+    tokens are prefilled once (block 0 full and shared; the partial block 1 copied on write by the
+    forks that write the last prompt token while it is still shared), then each sequence grows alone."""
+    code, out, err = kv_inspect("--json", "--kv", "paged", "--block-size", "2", "--num-samples", "3",
+                                "--decode", "2", "--layer", LAYER, model_path, PROMPT)
+    assert code == 0, err
+    r = json.loads(out)
+    cache, ids, queries = filled  # the same tokens in a prealloc cache, alone
+    assert r["cache"] == "paged" and [t["id"] for t in r["tokens"]] == ids
+    tables = [seq["table"] for seq in r["blocks"]]
+    assert [seq["length"] for seq in r["blocks"]] == [6, 6, 6] and [len(t) for t in tables] == [3, 3, 3]
+    assert {t[0] for t in tables} == {0} and r["shared_blocks"] == [0]
+    private = [block for t in tables for block in t[1:]]
+    assert len(set(private)) == 6  # after the shared block, every sequence holds its own
+    held = {0, *private}
+    assert r["refcounts"] == [sum(block in t for t in tables) for block in range(r["pool_blocks"])]
+    assert r["pool_blocks"] == 7 and r["free_blocks"] == sorted(set(range(7)) - held) == []
+    assert (r["slots_allocated"], r["slots_used"], r["tokens_held"]) == (14, 14, 18)
+    assert r["bytes_held"] == r["pool_bytes"] == 7 * 2 * 2 * 30 * 192 * 4
+    # Sequence 0's report reads its blocks: the same K norms and attention as the prealloc cache's.
+    expected = np.linalg.norm(cache.keys[7, :6].reshape(6, 3, 64), axis=-1).mean(axis=0)
+    assert np.allclose(r["key_norms"][7], expected, rtol=1e-4)
+    weights = np.array(r["attention"]["weights"])
+    q, keys = queries[LAYER], cache.keys[LAYER, :6]
+    scores = keys[:, :64] @ q[:64] / 8.0
+    assert np.allclose(weights[0], np.exp(scores - scores.max()) / np.exp(scores - scores.max()).sum(),
+                       atol=1e-4)
+
+    code, out, err = kv_inspect("--kv", "paged", "--max-context", "9", "--block-size", "4", model_path,
+                                PROMPT)
+    assert code == 0, err
+    for text in ("llama, paged cache", "block pool: 3 blocks of 4 tokens", "seq 0", "4 tokens in blocks 0",
+                 "free             2 blocks: 1-2", "4 of 4 allocated slots used, 0 empty (0%)"):
+        assert text in out, text
+
+
 def test_a_snapshot_is_inspected_without_the_model(run_main, engine, filled, tmp_path):
     cache, ids, _ = filled
     path = tmp_path / "cache.safetensors"
@@ -128,6 +165,10 @@ def test_a_snapshot_is_inspected_without_the_model(run_main, engine, filled, tmp
         (("",), ("prompt is empty",)),
         ((), ("missing PROMPT",)),
         (("missing.safetensors",), ("missing.safetensors: no such file",)),
+        (("--num-samples", "2", "Hi"), ("--block-size and --num-samples need --kv paged",)),
+        (("--kv", "paged", "--block-size", "0", "Hi"), ("--block-size must be at least 1, got 0",)),
+        (("--kv", "paged", "--num-samples", "0", "Hi"), ("--num-samples must be at least 1, got 0",)),
+        (("--kv", "pages", "Hi"), ("'pages' is not one of",)),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(kv_inspect, args, fragments):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from inferno.bench.kv_modes import MODES, summary_row
+from inferno.bench.kv_modes import DEFAULT_MODES, summary_row
 from inferno.cli.kv_bench import main
 
 PROG = "kv-bench"
@@ -25,8 +25,8 @@ def test_json(kv_bench, engine):
     r = json.loads(out)
     assert set(r) == {"prompt_tokens", "new_tokens", "identical_tokens", "summary", "runs"}
     assert (r["prompt_tokens"], r["new_tokens"], r["identical_tokens"]) == (4, 6, True)
-    assert list(r["summary"]) == list(r["runs"]) == list(MODES)
-    for mode in MODES:
+    assert list(r["summary"]) == list(r["runs"]) == list(DEFAULT_MODES)
+    for mode in DEFAULT_MODES:
         row, run = r["summary"][mode], r["runs"][mode]
         assert set(row) == {"ttft_ms", "decode_tok_s", "first_forward_ms", "last_forward_ms",
                             "last_over_first", "cache_bytes"}
@@ -44,6 +44,31 @@ def test_table(kv_bench):
     assert "prealloc" in out and "basic" not in out and "o off   p prealloc" in out
 
 
+def test_batch_sweep_json(kv_bench, engine):
+    """B forks of one prompt, 3 greedy tokens each: every sequence generates what the prompt gives
+    alone; the prompt's blocks are held once whatever B; aggregate rate = B x per-sequence rate."""
+    code, out, err = kv_bench("--batch-sweep", "1,3", "-n", "3", "--block-size", "2", "--prompt",
+                              "The capital of France is", "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    assert (r["prompt_tokens"], r["new_tokens"], r["block_size"]) == (5, 3, 2)
+    assert [row["batch"] for row in r["sweep"]] == [1, 3]
+    block = 2 * 2 * 30 * 192 * 4  # K and V of 2 tokens, 30 layers of 192 floats
+    for row in r["sweep"]:
+        b = row["batch"]
+        assert row["identical_tokens"] and row["decode_steps"] == 2
+        assert row["decode_tok_s"] == pytest.approx(b * row["per_sequence_tok_s"])
+        assert row["prompt_bytes"] == 3 * block  # 5 tokens in 3 blocks, once
+        # Each sequence copies the shared partial block on its first write: 2 full blocks shared, then
+        # per sequence positions 4..7 in 2 blocks of its own.
+        assert row["peak_cache_bytes"] == (2 + 2 * b) * block
+        assert row["unshared_peak_bytes"] == b * 8 * block // 2
+    code, out, err = kv_bench("--batch-sweep", "2", "-n", "3", "--prompt", "The capital of France is")
+    assert code == 0, err
+    assert "5-token prompt prefilled once, B sequences x 3 greedy tokens" in out
+    assert "every sequence of every batch generated the same tokens" in out
+
+
 def test_summary_row_compares_the_last_decodes_with_the_first():
     metrics = {"per_forward_ms": [50.0, 1.0, 1.0, 2.0, 3.0, 3.0], "ttft_ms": 50.0, "decode_tok_s": 500.0,
                "cache_bytes": 10}
@@ -54,10 +79,14 @@ def test_summary_row_compares_the_last_decodes_with_the_first():
 @pytest.mark.parametrize(
     "args, fragment",
     [
-        (("--modes", "off,paged"), "unknown mode paged (valid: off, basic, prealloc)"),
+        (("--modes", "off,pages"), "unknown mode pages (valid: off, basic, prealloc"),
         (("--modes", ","), "unknown mode (none)"),
         (("-n", "1"), "--new-tokens must be at least 2, got 1"),
         (("--threads", "0"), "--threads must be at least 1"),
+        (("--batch-sweep", "1,x"), "batch sizes are whole numbers separated by commas, got '1,x'"),
+        (("--batch-sweep", "0,2"), "batch sizes must be at least 1, got '0,2'"),
+        (("--batch-sweep", "2", "--block-size", "0"), "--block-size must be at least 1, got 0"),
+        (("--batch-sweep", "2", "--fidelity"), "--batch-sweep and --fidelity do not go together"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(kv_bench, args, fragment):

@@ -98,6 +98,25 @@ def bench_table(rows: dict[str, dict], prompt_tokens: int, new_tokens: int, wind
     return table
 
 
+def sweep_table(rows: list[dict], prompt_tokens: int, new_tokens: int, block_size: int) -> Table:
+    title = (f"batch sweep: {prompt_tokens}-token prompt prefilled once, B sequences x {new_tokens} "
+             f"greedy tokens, blocks of {block_size}")
+    table = Table(title=title, title_justify="left")
+    for name in ("B", "decode tok/s", "per seq tok/s", "step ms", "prompt K/V", "peak cache", "unshared"):
+        table.add_column(name, justify="right")
+    for r in rows:
+        table.add_row(
+            str(r["batch"]),
+            f"{r['decode_tok_s']:.1f}",
+            f"{r['per_sequence_tok_s']:.1f}",
+            f"{r['step_ms']:.1f}",
+            fmt_bytes(r["prompt_bytes"]),
+            fmt_bytes(r["peak_cache_bytes"]),
+            fmt_bytes(r["unshared_peak_bytes"]),
+        )
+    return table
+
+
 def forward_chart(series: dict[str, Sequence[float]], height: int = 12, width: int = 72) -> str:
     """Per-forward ms of each series on one shared scale (rich markup), decode step along the x axis."""
     top = max(max(v) for v in series.values() if v) or 1.0

@@ -1,8 +1,10 @@
 """`kv-inspect [MODEL.gguf] PROMPT` or `kv-inspect SNAPSHOT`: look inside a KV cache.
 
-Runs the prompt (and --decode N greedy tokens) into a prealloc cache, or reads a saved snapshot, and
-shows the cache's geometry, how full it is, the tokens it holds, the mean L2 norm of K and V per layer
-and KV head, and with --layer L what the last query of that layer attends to. The analysis is
+Runs the prompt (and --decode N greedy tokens) into a cache (--kv, prealloc by default), or reads a
+saved snapshot, and shows the cache's geometry, how full it is, the tokens it holds, the mean L2 norm
+of K and V per layer and KV head, and with --layer L what the last query of that layer attends to.
+With --kv paged (and --num-samples N sequences forked from the prompt) it also shows the block pool:
+block tables, shared blocks and their reference counts, free blocks, fragmentation. The analysis is
 `inferno.inspect`'s; this module parses flags and draws.
 """
 
@@ -37,6 +39,7 @@ from inferno.errors import InfernoError
 from inferno.inspect import inspect_prompt, inspect_snapshot
 from inferno.kv import DEFAULT_DTYPE, DEFAULT_KIND, DTYPES, KINDS
 from inferno.kv.dtypes import element_type
+from inferno.kv.paged import BLOCK_SIZE
 from inferno.kv.window import POSITIONS
 from inferno.snapshot import Snapshot
 
@@ -62,6 +65,7 @@ def inspect_model(
     status: Console | None,
     kind: str = DEFAULT_KIND,
     dtype: str = DEFAULT_DTYPE,
+    samples: int = 1,
     **options,
 ) -> dict[str, Any]:
     """Load the model, fill a cache with the prompt and report on it (status: where to show progress)."""
@@ -73,7 +77,7 @@ def inspect_model(
         raise InfernoError(f"--layer {layer} does not exist: the model has layers 0..{layers - 1}")
     with blame("--max-context", max_context):
         report = inspect_prompt(engine, engine.tokenizer.encode(prompt), n_decode, layer, max_context, kind,
-                                dtype, **options)
+                                dtype, samples, **options)
     return {"model": str(model_path)} | report
 
 
@@ -101,35 +105,48 @@ def split_args(args: tuple[str, ...]) -> tuple[Path | None, str]:
 @click.option("--sinks", type=int, default=None, metavar="S", help="--kv window: first positions kept.")
 @click.option("--window-positions", type=click.Choice(POSITIONS), default=None,
               help="--kv window: shift or original.")
+@click.option("--block-size", type=int, default=None,
+              help=f"--kv paged: tokens per block (default: {BLOCK_SIZE}).")
+@click.option("--num-samples", "samples", type=int, default=None, metavar="N",
+              help="--kv paged: N sequences forked from the prompt, decoding together (default: 1).")
 @click.option("--kv-dtype", default=DEFAULT_DTYPE, show_default=True, metavar="TYPE",
               help=f"Store the rows as {' | '.join(DTYPES)} and show what that loses per layer and KV head.")
 @click.option("--threads", type=int, default=None, help="Threads for the kernels (default: all cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 @version_option()
-def command(args, n_decode, layer, max_context, kind, window, sinks, window_positions, kv_dtype, threads,
-            as_json):
+def command(args, n_decode, layer, max_context, kind, window, sinks, window_positions, block_size, samples,
+            kv_dtype, threads, as_json):
     """Show what a KV cache holds: geometry, fill, tokens, K/V norms, attention.
 
     \b
     Run a prompt:        kv-inspect [MODEL.gguf] PROMPT [--decode N] [--layer L]
+    See a block pool:    kv-inspect --kv paged [--block-size N] [--num-samples N] PROMPT
     Read a snapshot:     kv-inspect SNAPSHOT   (saved by model-generate --save-cache; no model needed)
     """
     if n_decode < 0:
         raise InfernoError(f"--decode must be 0 or more, got {n_decode}")
     if max_context is not None and max_context < 1:
         raise InfernoError(f"--max-context must be at least 1, got {max_context}")
+    if (block_size is not None or samples is not None) and kind != "paged":
+        raise InfernoError("--block-size and --num-samples need --kv paged")
+    if block_size is not None and block_size < 1:
+        raise InfernoError(f"--block-size must be at least 1, got {block_size}")
+    if samples is not None and samples < 1:
+        raise InfernoError(f"--num-samples must be at least 1, got {samples}")
     set_threads(threads)
     element_type(kv_dtype)
     if len(args) == 1 and is_snapshot_file(args[0]):
-        if n_decode or layer is not None or max_context is not None:
-            raise InfernoError("--decode, --layer and --max-context need a model, not a snapshot")
+        if n_decode or layer is not None or max_context is not None or kind != DEFAULT_KIND:
+            raise InfernoError("--decode, --layer, --max-context and --kv need a model, not a snapshot")
         report = {"snapshot": args[0]} | inspect_snapshot(Snapshot.load(args[0]))
     else:
         model_path, prompt = split_args(args)
         status = None if as_json else console(stderr=True)
         options = cache_options(window, sinks, window_positions)
+        if block_size is not None:
+            options["block_size"] = block_size
         report = inspect_model(model_path or default_model(), prompt, n_decode, layer, max_context, status,
-                               kind, kv_dtype, **options)
+                               kind, kv_dtype, samples or 1, **options)
     if as_json:
         click.echo(json.dumps(report))
     else:
@@ -190,6 +207,9 @@ def print_report(r: dict[str, Any]) -> None:
             heatmap(np.array(r["value_error"]) * 100, layers, kv_heads, "{:6.2f}"),
         )
         out.print(grid)
+    if "blocks" in r:
+        out.print()
+        out.print(pool_view(r))
     if "attention" in r:
         layer, pos = r["attention"]["layer"], r["attention"]["query_pos"]
         out.print()
@@ -204,6 +224,41 @@ def window_line(w: dict[str, Any]) -> str:
     window = "..".join(map(str, w["window_positions"])) or "nothing"
     return (f"{sinks} + positions {window} ({w['positions']} positions): {w['held']} of {w['rows']} rows "
             f"per layer, {w['evicted_tokens']:,} evicted")
+
+
+def pool_view(r: dict[str, Any]) -> Table:
+    """The block pool of a paged cache: each sequence's block table, shared blocks, free blocks, fill."""
+    refs, bs = r["refcounts"], r["block_size"]
+    held = r["pool_blocks"] - len(r["free_blocks"])
+    title = f"block pool: {r['pool_blocks']} blocks of {bs} tokens ({fmt_bytes(r['block_bytes'])} each)"
+    table = Table(title=title, title_justify="left", title_style="bold", box=None, padding=(0, 2),
+                  show_header=False)
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column()
+    for seq in r["blocks"]:
+        cells = " ".join(f"{b}(x{refs[b]})" if refs[b] > 1 else f"{b}" for b in seq["table"])
+        table.add_row(f"seq {seq['sequence']}", f"{seq['length']} tokens in blocks {cells or '-'}")
+    shared = ", ".join(f"{block} x{refs[block]}" for block in r["shared_blocks"]) or "none"
+    used, allocated = r["slots_used"], r["slots_allocated"]
+    table.add_row("shared", shared)
+    free = r["free_blocks"]
+    table.add_row("free", f"{len(free)} blocks" + (f": {compact(free)}" if free else ""))
+    table.add_row("held", f"{held} blocks, {fmt_bytes(r['bytes_held'])} of {fmt_bytes(r['pool_bytes'])}; "
+                          f"{r['tokens_held']} sequence positions in {used} written slots")
+    table.add_row("fragmentation", f"{used} of {allocated} allocated slots used, "
+                                   f"{allocated - used} empty ({(allocated - used) / (allocated or 1):.0%})")
+    return table
+
+
+def compact(numbers: list[int]) -> str:
+    """Sorted whole numbers as ranges: 3-7, 9."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
 
 
 def token_line(tokens: list[dict[str, Any]]) -> Text:

@@ -1,5 +1,6 @@
 """`kv-bench`: one prompt generated with no cache and each cache kind (and element type), side by side
-in one run; with `--fidelity`, what each element type costs in quality against the float cache."""
+in one run; with `--fidelity`, what each element type costs in quality against the float cache; with
+`--batch-sweep 1,2,4,8`, the prompt forked into B sequences decoded together, for each B."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import sys
 
 import click
 
+from inferno.bench.batch_sweep import batch_sweep, parse_sizes
 from inferno.bench.kv_modes import DEFAULT_MODES, MODES, run_modes, summary_row
 from inferno.cli.common import console, default_model, progress_on, run, set_threads, utf8, version_option
 from inferno.errors import InfernoError
 from inferno.kv import DEFAULT_DTYPE, DTYPES
+from inferno.kv.paged import BLOCK_SIZE
 
 PROG = "kv-bench"
 FIDELITY_TOKENS = 1024
@@ -63,16 +66,22 @@ def text_tokens(engine, text_file: str | None, tokens: int) -> tuple[list[int], 
               help="Tokens of the text --fidelity runs.")
 @click.option("--window", type=int, default=32, show_default=True,
               help="Decode steps averaged for the first/last forward columns.")
+@click.option("--batch-sweep", "sweep", default=None, metavar="B1,B2,...",
+              help="Instead of the modes: for each B, the prompt prefilled once and B greedy sequences "
+                   "decoded together in a paged pool (e.g. 1,2,4,8,16).")
+@click.option("--block-size", type=int, default=BLOCK_SIZE, show_default=True,
+              help="Tokens per block of the --batch-sweep pool.")
 @click.option("--threads", type=int, default=None)
 @click.option("--json", "as_json", is_flag=True)
 @version_option()
-def command(model, prompt, depth, new_tokens, modes, kv_dtypes, fidelity, text_file, tokens, window, threads,
-            as_json):
+def command(model, prompt, depth, new_tokens, modes, kv_dtypes, fidelity, text_file, tokens, window, sweep,
+            block_size, threads, as_json):
     """Show what a KV cache buys: per-forward time climbs without one and stays flat with one.
 
     \b
     Speed:     kv-bench --modes prealloc --kv-dtype f32,q8_0,q4_0h --depth 2048 -n 64
     Fidelity:  kv-bench --fidelity --kv-dtype f16,q8_0,q4_0,q4_0h
+    Batching:  kv-bench --batch-sweep 1,2,4,8,16 --depth 128 -n 64
     """
     set_threads(threads)
     chosen = split_list(modes, MODES, "mode")
@@ -83,6 +92,11 @@ def command(model, prompt, depth, new_tokens, modes, kv_dtypes, fidelity, text_f
         raise InfernoError(f"--depth must be at least 1, got {depth}")
     if tokens < 2:
         raise InfernoError(f"--tokens must be at least 2, got {tokens}")
+    sizes = parse_sizes(sweep) if sweep is not None else None
+    if sizes and fidelity:
+        raise InfernoError("--batch-sweep and --fidelity do not go together: give one")
+    if block_size < 1:
+        raise InfernoError(f"--block-size must be at least 1, got {block_size}")
     from inferno.engine import Engine
 
     err = console(stderr=True)
@@ -94,6 +108,8 @@ def command(model, prompt, depth, new_tokens, modes, kv_dtypes, fidelity, text_f
         prompt_ids = (ids * (depth // len(ids) + 1))[:depth]
     else:
         prompt_ids = engine.tokenizer.encode(utf8("--prompt", prompt))
+    if sizes:
+        return report_sweep(engine, prompt_ids, new_tokens, sizes, block_size, as_json)
     results = run_modes(engine, prompt_ids, new_tokens, chosen, dtypes)
     rows = {mode: summary_row(r["metrics"], window) for mode, r in results.items()}
     same = len({tuple(r["token_ids"]) for r in results.values()}) == 1
@@ -124,6 +140,23 @@ def report_fidelity(engine, dtypes: tuple[str, ...], text_file: str | None, toke
     from inferno.cli.display import fidelity_table
 
     console().print(fidelity_table(rows, source, len(ids)))
+
+
+def report_sweep(engine, prompt_ids: list[int], new_tokens: int, sizes: list[int], block_size: int,
+                 as_json: bool) -> None:
+    rows = batch_sweep(engine, prompt_ids, new_tokens, sizes, block_size)
+    if as_json:
+        json.dump({"prompt_tokens": len(prompt_ids), "new_tokens": new_tokens, "block_size": block_size,
+                   "sweep": rows}, sys.stdout)
+        print()
+        return
+    from inferno.cli.display import sweep_table
+
+    out = console()
+    out.print(sweep_table(rows, len(prompt_ids), new_tokens, block_size))
+    same = all(r["identical_tokens"] for r in rows)
+    out.print("every sequence of every batch generated the same tokens" if same
+              else "[bold red]sequences of one batch generated different tokens[/]")
 
 
 def main() -> None:
