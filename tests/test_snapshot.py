@@ -16,7 +16,7 @@ from inferno.cli.inspect import main as inspect_main
 from inferno.errors import InfernoError
 from inferno.generate import generate
 from inferno.gguf_file import open_gguf
-from inferno.kv import KINDS, make_cache
+from inferno.kv import KINDS
 from inferno.sampling import Sampler
 from inferno.snapshot import Snapshot, model_fingerprint
 
@@ -72,8 +72,9 @@ def test_round_trip_is_bit_exact_and_restores_into_every_cache_kind(engine, tmp_
     assert loaded.token_ids.dtype == np.int32 and loaded.keys.dtype == np.float32
     assert loaded.keys.shape == loaded.values.shape == (30, 8, 192)
     assert (loaded.architecture, loaded.fingerprint) == ("llama", engine.fingerprint)
+    options = {"window": {"window": 8}}  # 4 sinks + 8: the snapshot's 8 tokens, nothing evicted
     for kind in KINDS:
-        restored = make_cache(kind, engine.config.kv_geometry, 12)
+        restored = engine.make_cache(kind, 9, 3, 12, **options.get(kind, {}))
         assert loaded.restore(restored, [*run_ids[:8], 42]) == 8
         for layer in range(30):
             for ours, theirs in zip(restored.read(layer), cache.read(layer), strict=True):
