@@ -54,7 +54,7 @@ def test_common_prefix():
 
 def test_the_bench_measures_inferno_in_child_processes(capsys):
     logged: list[str] = []
-    result = benchmark(Options(TINY, threads=1, ctx=256, warm_up=False), PLAN, ["inferno"], logged.append)
+    result = benchmark(Options(TINY, threads=1, ctx=256), PLAN, ["inferno"], warm_up=False, log=logged.append)
     assert result["errors"] == [] and result["plan"]["prefill_tokens"] == 40
     inferno = result["engines"]["inferno"]
     figures = inferno["figures"]
@@ -87,4 +87,5 @@ def test_the_matvec_bench_runs_on_a_tiny_model():
     assert done.returncode == 0, done.stderr
     rows = {line.split()[0]: line.split() for line in done.stdout.splitlines() if line.strip()}
     assert rows["attn_q"][1:3] == ["Q8_0", "128x64"] and rows["token_embd"][1:3] == ["Q8_0", "320x64"]
-    assert "all" in rows and "threads=1" in rows
+    assert rows["decode"][:3] == ["decode", "pass", "mixed"]  # every matrix, in the model's order
+    assert "threads=1" in rows
