@@ -115,6 +115,9 @@ class ModelConfig:
         embedding = tensors.get("token_embd.weight")
         vocab_rows = int(embedding.shape[-1]) if embedding is not None else None
         n_layers = count("block_count")
+        if n_layers > len(reader.tensors):  # every layer has tensors; per-layer tuples follow from this count
+            raise InfernoError(f"GGUF metadata says {n_layers} layers but the file has only "
+                               f"{len(reader.tensors)} tensors")
         rope_base = value("rope.freq_base", float, 10000.0)
         window = count("attention.sliding_window") if arch == "gemma3" else 0
         extra = _gemma3(n_layers, hidden, rope_base, window) if arch == "gemma3" else {}

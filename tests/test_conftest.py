@@ -31,4 +31,4 @@ def test_a_missing_model_skips_outside_ci(tmp_path):
 def test_a_missing_model_fails_the_run_under_ci(tmp_path):
     done = run_pytest_without_the_model(tmp_path, "true")
     assert done.returncode == 1, done.stdout + done.stderr
-    assert f"the default model {DEFAULT_MODEL} is absent" in done.stdout + done.stderr
+    assert f"the model {DEFAULT_MODEL.name} is absent" in done.stdout + done.stderr

@@ -160,7 +160,7 @@ def test_without_cache_the_request_must_fit_the_context(generate, model_path):
         (["hi", "--", "-3"], "at least 1"),
         (["hi", "-3"], "-3"),
         (["hi", "many"], "whole number"),
-        (["--kv", "paged", "hi"], "unknown KV cache mode 'paged'"),
+        (["--kv", "pages", "hi"], "unknown KV cache mode 'pages'"),
         (["--temperature", "-1", "hi"], "--temperature"),
         (["--top-p", "1.5", "hi"], "--top-p"),
         (["--top-k", "-2", "hi"], "--top-k"),
@@ -235,7 +235,7 @@ def test_prompt_file_problems_are_refused(generate, tmp_path):
     assert_refused(generate("--prompt-file", tmp_path / "none.txt", "3"), "cannot read --prompt-file")
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("café".encode("latin-1"))
-    assert_refused(generate("--prompt-file", bad, "3"), "cannot read --prompt-file")
+    assert_refused(generate("--prompt-file", bad, "3"), "--prompt-file", "latin1.txt is not UTF-8 text")
     good = tmp_path / "p.txt"
     good.write_text("hi")
     assert_refused(generate("--prompt-file", good, "model.gguf", "hi", "3"), "too many arguments")
