@@ -253,7 +253,7 @@ def command(
     show_mha = not shape.mla and shape.heads is not None and grouped
     report = build_report(shape, kv_type, context_list, batch, budget_bytes, show_mha)
     if kv_kind is not None or kv_dtype is not None:
-        runtime_bytes(report, model_path, kv_kind or "prealloc", kv_dtype or "f32")
+        runtime_bytes(report, model_path, kv_kind or "prealloc", kv_dtype or "f32", sliding_window)
     if model is not None:
         report["model"] = {
             "file": Path(model_path or config_path).name,
@@ -386,24 +386,29 @@ def build_report(
     return report
 
 
-def runtime_bytes(report: dict[str, Any], model_path: str | None, kind: str, dtype: str) -> None:
+def runtime_bytes(
+    report: dict[str, Any], model_path: str | None, kind: str, dtype: str, window: int | None = None
+) -> None:
     """Replace the report's bytes with what `model-generate --kv kind --kv-dtype dtype --max-context N`
-    allocates for this model: the cache's own planned_nbytes, so the two always agree."""
+    (and `--window W` for --kv window: `--sliding-window W` here) allocates for this model: the cache's
+    own planned_nbytes, so the two always agree."""
     from inferno.config import ModelConfig
     from inferno.gguf_file import open_gguf
-    from inferno.kv import planned_nbytes
+    from inferno.kv import cache_class, planned_nbytes
 
     if model_path is None:
         raise InfernoError("--kv and --kv-dtype size inferno's cache of a model: give --model FILE.gguf")
     geometry = ModelConfig.from_gguf(open_gguf(model_path)).kv_geometry
-    per_token = planned_nbytes(kind, geometry, 1, dtype)
-    report |= {"kv": kind, "dtype": dtype, "bytes_per_token": per_token,
-               "bytes_per_token_per_layer": per_token // geometry.layers}
+    options = {"window": window} if kind == "window" and window else {}
+    report |= {"kv": kind, "dtype": dtype}
+    if not cache_class(kind).evicts:  # a window cache stops growing: its per-token figure is the formula's
+        per_token = planned_nbytes(kind, geometry, 1, dtype)
+        report |= {"bytes_per_token": per_token, "bytes_per_token_per_layer": per_token // geometry.layers}
     report.pop("heads", None)  # the multi-head comparison is the formula's, not this cache's
     for row in report["rows"]:
         row.pop("mha_bytes", None)
         row["dtype"] = dtype
-        row["bytes"] = planned_nbytes(kind, geometry, row["context"], dtype) * row["batch"]
+        row["bytes"] = planned_nbytes(kind, geometry, row["context"], dtype, **options) * row["batch"]
 
 
 def _scalar(values: tuple[int, ...]) -> int | list[int]:
