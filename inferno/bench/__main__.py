@@ -58,8 +58,8 @@ def command(model, threads, rounds, ctx, engines, others_python, timeout, no_war
     if bad := [e for e in wanted if e not in ENGINES]:
         raise InfernoError(f"unknown engine(s) {', '.join(bad)}; choose from {', '.join(ENGINES)}")
 
-    options = Options(model, threads, ctx, others_python, timeout)
-    result = benchmark(options, plan, wanted, rounds, warm_up=not no_warmup, log=log)
+    options = Options(model, threads, ctx, others_python, timeout, rounds, warm_up=not no_warmup)
+    result = benchmark(options, plan, wanted, log)
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:

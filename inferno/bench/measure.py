@@ -33,23 +33,22 @@ class Options:
     ctx: int = 4096  # llama.cpp's n_ctx and inferno's --max-context
     others_python: str = sys.executable  # the interpreter that has llama-cpp-python, torch + transformers
     timeout: float = 600  # seconds before one measurement process is killed
+    rounds: int = 1  # of every measurement, engines alternating; figures are medians over them
+    warm_up: bool = True  # an untimed whole run per engine first (page cache, JIT caches)
 
 
-def benchmark(
-    options: Options,
-    plan: Plan,
-    wanted: list[str],
-    rounds: int = 1,
-    warm_up: bool = True,
-    log: Callable[[str], None] = lambda _: None,
-) -> dict[str, Any]:
+Log = Callable[[str], None]
+
+
+def benchmark(options: Options, plan: Plan, wanted: list[str], log: Log = lambda _: None) -> dict[str, Any]:
     """The whole benchmark of the engines of `wanted` that can run, as the result `--json` prints."""
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     mach = machine()  # before any measurement runs, so its load average is other people's work
     engines, skipped = available(wanted, options.others_python)
-    runs, errors = measure(options, plan, engines, rounds, warm_up, log)
+    runs, errors = measure(options, plan, engines, log)
+    o = options
     return {"date": started, "machine": {**mach, "load_after": round(os.getloadavg()[0], 2)},
-            "model": options.model.name, "threads": options.threads, "rounds": rounds, "ctx": options.ctx,
+            "model": o.model.name, "threads": o.threads, "rounds": o.rounds, "ctx": o.ctx,
             **summarise(plan, runs), "skipped": skipped, "errors": errors}
 
 
@@ -96,14 +95,9 @@ class Bench:
 
 
 def measure(
-    options: Options,
-    plan: Plan,
-    engines: list[str],
-    rounds: int = 1,
-    warm_up: bool = True,
-    log: Callable[[str], None] = lambda _: None,
+    options: Options, plan: Plan, engines: list[str], log: Log = lambda _: None
 ) -> tuple[dict[str, EngineRuns], list[str]]:
-    """Every measurement of every engine, `rounds` times: (what each engine gave, errors).
+    """Every measurement of every engine, `options.rounds` times: (what each engine gave, errors).
 
     An untimed whole run per engine first warms the page cache and the JIT caches; an engine whose
     warm-up fails is not measured. Rounds rotate which engine goes first.
@@ -114,14 +108,14 @@ def measure(
     with tempfile.TemporaryDirectory(prefix="inferno-bench-") as tmp:
         bench = Bench(options, plan, write_prompts(tokenizer, plan, Path(tmp)))
         working = list(engines)
-        if warm_up:
+        if options.warm_up:
             for engine in engines:
                 log(f"warm-up  {LABELS[engine]} ...")
                 res = bench.run(engine, "run32")
                 if not res.ok:
                     errors.append(f"{LABELS[engine]} warm-up: {res.error}")
                     working.remove(engine)
-        for rnd in range(rounds):
+        for rnd in range(options.rounds):
             first = rnd % max(len(working), 1)
             for name in plan.measures:
                 for engine in working[first:] + working[:first]:
@@ -135,7 +129,7 @@ def measure(
                         continue
                     record(runs[engine], engine, name, rnd, figures, res)
                     shown = ", ".join(f"{k} {v:.2f}" for k, v in figures.items())
-                    log(f"round {rnd + 1}/{rounds}  {name:<11} {LABELS[engine]:<16} {shown}")
+                    log(f"round {rnd + 1}/{options.rounds}  {name:<11} {LABELS[engine]:<16} {shown}")
     return runs, errors
 
 
