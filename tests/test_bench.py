@@ -54,7 +54,7 @@ def test_common_prefix():
 
 def test_the_bench_measures_inferno_in_child_processes(capsys):
     logged: list[str] = []
-    result = benchmark(Options(TINY, threads=1, ctx=256), PLAN, ["inferno"], warm_up=False, log=logged.append)
+    result = benchmark(Options(TINY, threads=1, ctx=256, warm_up=False), PLAN, ["inferno"], logged.append)
     assert result["errors"] == [] and result["plan"]["prefill_tokens"] == 40
     inferno = result["engines"]["inferno"]
     figures = inferno["figures"]
