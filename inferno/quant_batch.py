@@ -3,8 +3,13 @@ matrix product of batched decoding (B sequences, one token each).
 
 One matvec per row reads every weight B times; BLAS first dequantizes the whole weight to float32 in
 memory. Here each thread takes a run of tiles (the layout of `inferno.quant`), dequantizes a few
-blocks of one tile at a time into a scratch that stays in L1, and multiplies that into every row's
-accumulator, so each weight byte is read and dequantized once per step whatever B is.
+blocks of one tile at a time into a scratch that stays in L1, and multiplies that into the rows'
+accumulators four rows at a time, so each weight byte is read and dequantized once per step whatever
+B is, and each dequantized value loaded once per four rows.
+
+BLAS on dequantized chunks (`QuantizedMatrix.matmul`) does not pay below 16 rows: on one thread, at
+B = 16 this kernel took 1.1 ms for a 3072 x 576 Q4_1 weight (BLAS: 1.5 ms) and 27 ms for the
+49152 x 576 Q8_0 output (BLAS: 28 ms); at B = 8, 0.68 and 17 ms (BLAS: 1.4 and 27 ms).
 """
 
 from __future__ import annotations
