@@ -41,7 +41,8 @@ def test_batch_matmul_is_a_matvec_per_row(engine):
     rng = np.random.default_rng(0)
     layer = engine.model.layers[0]
     for matrix in (layer.qkv.matrices[0], layer.w_down, engine.model.output):  # Q4_1, Q4_1, Q8_0
-        x = rng.standard_normal((5, matrix.cols), dtype=np.float32)
-        expected = np.stack([matrix.matvec(row) for row in x])
-        tolerance = 1e-5 * np.abs(expected).max()
-        np.testing.assert_allclose(batch_matmul(matrix, x), expected, rtol=0, atol=tolerance)
+        for n_rows in (2, 5, 8):  # rows in fours (none, one group and one left over, two groups)
+            x = rng.standard_normal((n_rows, matrix.cols), dtype=np.float32)
+            expected = np.stack([matrix.matvec(row) for row in x])
+            tolerance = 1e-5 * np.abs(expected).max()
+            np.testing.assert_allclose(batch_matmul(matrix, x), expected, rtol=0, atol=tolerance)
