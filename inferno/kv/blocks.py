@@ -28,7 +28,7 @@ from inferno.kv.vectors import KIND_F16, KIND_Q4, KIND_Q8, block_axpy, block_dot
 
 FMT_F16, FMT_Q8_0, FMT_Q4_0 = 0, 1, 2
 BLOCK = 32  # values per q8_0 / q4_0 block
-DECODE_CHUNK = 128  # stored rows decoded at a time by attention, into a float scratch that stays in L2
+DECODE_CHUNK = 128  # stored rows one parallel task of attention reads
 
 
 @njit(cache=True)
