@@ -186,6 +186,42 @@ def _head_axpy(kind: int, out: np.ndarray, at: int, w: float, row: np.ndarray, f
                 block_axpy(KIND_Q4, out, at + b * BLOCK, w * d, row, o + 2)
 
 
+@njit(cache=True)
+def _layout(fmt: int) -> tuple[int, int]:
+    """The vector kind of a format's blocks and their bytes (f16 rows: "blocks" of 32 halves, no scale)."""
+    if fmt == FMT_F16:
+        return KIND_F16, 2 * BLOCK
+    return (KIND_Q8 if fmt == FMT_Q8_0 else KIND_Q4), block_bytes(fmt)
+
+
+@njit(cache=True, fastmath=True)
+def score_rows(q: np.ndarray, keys: np.ndarray, fmt: int, n_heads: int, weights: np.ndarray) -> None:
+    """weights[h, s] = q_h . key s (its KV head), over stored rows keys [S, row_bytes] of `fmt`."""
+    kind, size = _layout(fmt)
+    head_dim = q.shape[0] // n_heads
+    per_head = head_dim // BLOCK
+    n_kv = keys.shape[1] // size // per_head
+    group = n_heads // n_kv
+    for s in range(keys.shape[0]):
+        for g in range(n_kv):
+            for h in range(g * group, (g + 1) * group):
+                weights[h, s] = _head_dot(kind, q, h * head_dim, keys[s], g * per_head, per_head, size)
+
+
+@njit(cache=True, fastmath=True)
+def mix_rows(weights: np.ndarray, values: np.ndarray, fmt: int, n_heads: int, out: np.ndarray) -> None:
+    """out[h] += sum_s weights[h, s] * value s (its KV head), over stored rows values [S, row_bytes]."""
+    kind, size = _layout(fmt)
+    head_dim = out.shape[0] // n_heads
+    per_head = head_dim // BLOCK
+    n_kv = values.shape[1] // size // per_head
+    group = n_heads // n_kv
+    for s in range(values.shape[0]):
+        for g in range(n_kv):
+            for h in range(g * group, (g + 1) * group):
+                _head_axpy(kind, out, h * head_dim, weights[h, s], values[s], g * per_head, per_head, size)
+
+
 @njit(cache=True, fastmath=True, parallel=True)
 def attention_decode_rows(
     q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: int, fmt: int, rotate: bool
@@ -200,35 +236,19 @@ def attention_decode_rows(
     """
     n_pos = keys.shape[0]
     head_dim = q.shape[0] // n_heads
-    # f16 rows are read as "blocks" of 32 halves with no scale: 64 bytes each
-    size = 2 * BLOCK if fmt == FMT_F16 else block_bytes(fmt)
-    kind = KIND_F16 if fmt == FMT_F16 else (KIND_Q8 if fmt == FMT_Q8_0 else KIND_Q4)
-    n_kv = keys.shape[1] // size * BLOCK // head_dim
-    group = n_heads // n_kv
-    per_head = head_dim // BLOCK
     query = q.copy().reshape(1, -1)
     if rotate:
         hadamard_rows(query, head_dim)
     query *= np.float32(1.0 / math.sqrt(head_dim))
-    qs = query[0]
     n_spans = (n_pos + DECODE_CHUNK - 1) // DECODE_CHUNK
     partial = np.zeros((n_spans, q.shape[0]), np.float32)
     stats = np.empty((n_spans, n_heads, 2), np.float32)
     for c in prange(n_spans):
         s0, s1 = c * DECODE_CHUNK, min((c + 1) * DECODE_CHUNK, n_pos)
         weights = np.empty((n_heads, s1 - s0), np.float32)
-        for s in range(s0, s1):
-            for g in range(n_kv):
-                for h in range(g * group, (g + 1) * group):
-                    weights[h, s - s0] = _head_dot(kind, qs, h * head_dim, keys[s], g * per_head, per_head,
-                                                   size)
+        score_rows(query[0], keys[s0:s1], fmt, n_heads, weights)
         softmax_span(weights, s1 - s0, stats[c])
-        out = partial[c]
-        for s in range(s0, s1):
-            for g in range(n_kv):
-                for h in range(g * group, (g + 1) * group):
-                    _head_axpy(kind, out, h * head_dim, weights[h, s - s0], values[s], g * per_head,
-                               per_head, size)
+        mix_rows(weights, values[s0:s1], fmt, n_heads, partial[c])
     out = combine_spans(partial, stats, n_heads).reshape(1, -1)
     if rotate:
         hadamard_rows(out, head_dim)
