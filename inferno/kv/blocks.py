@@ -23,11 +23,12 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from inferno.kernels import attend_span, combine_spans
+from inferno.kernels import combine_spans, softmax_span
+from inferno.kv.vectors import KIND_F16, KIND_Q4, KIND_Q8, block_axpy, block_dot
 
 FMT_F16, FMT_Q8_0, FMT_Q4_0 = 0, 1, 2
 BLOCK = 32  # values per q8_0 / q4_0 block
-DECODE_CHUNK = 128  # stored rows decoded at a time by attention, into a float scratch that stays in L2
+DECODE_CHUNK = 128  # stored rows one parallel task of attention reads
 
 
 @njit(cache=True)
@@ -151,33 +152,103 @@ def decode_rows(raw: np.ndarray, fmt: int, out: np.ndarray) -> None:
                     dst[j + BLOCK // 2] = d * np.float32(np.int32(nibbles[j] >> 4) - 8)
 
 
+@njit(cache=True, fastmath=True)
+def _head_dot(kind: int, q: np.ndarray, at: int, row: np.ndarray, first: int, n_blocks: int,
+              size: int) -> float:
+    """q[at : at + 32 n_blocks] . the n_blocks stored blocks of `row` from block `first`, scales applied."""
+    acc = np.float32(0.0)
+    for b in range(n_blocks):
+        o = (first + b) * size
+        if kind == KIND_F16:
+            acc += block_dot(KIND_F16, q, at + b * BLOCK, row, o)
+        else:
+            d = half_to_float(np.uint16(row[o]) | (np.uint16(row[o + 1]) << 8))
+            if kind == KIND_Q8:
+                acc += d * block_dot(KIND_Q8, q, at + b * BLOCK, row, o + 2)
+            else:
+                acc += d * block_dot(KIND_Q4, q, at + b * BLOCK, row, o + 2)
+    return acc
+
+
+@njit(cache=True, fastmath=True)
+def _head_axpy(kind: int, out: np.ndarray, at: int, w: float, row: np.ndarray, first: int, n_blocks: int,
+               size: int) -> None:
+    """out[at : at + 32 n_blocks] += w * the n_blocks stored blocks of `row` from block `first`."""
+    for b in range(n_blocks):
+        o = (first + b) * size
+        if kind == KIND_F16:
+            block_axpy(KIND_F16, out, at + b * BLOCK, w, row, o)
+        else:
+            d = half_to_float(np.uint16(row[o]) | (np.uint16(row[o + 1]) << 8))
+            if kind == KIND_Q8:
+                block_axpy(KIND_Q8, out, at + b * BLOCK, w * d, row, o + 2)
+            else:
+                block_axpy(KIND_Q4, out, at + b * BLOCK, w * d, row, o + 2)
+
+
+@njit(cache=True)
+def _layout(fmt: int) -> tuple[int, int]:
+    """The vector kind of a format's blocks and their bytes (f16 rows: "blocks" of 32 halves, no scale)."""
+    if fmt == FMT_F16:
+        return KIND_F16, 2 * BLOCK
+    return (KIND_Q8 if fmt == FMT_Q8_0 else KIND_Q4), block_bytes(fmt)
+
+
+@njit(cache=True, fastmath=True)
+def score_rows(q: np.ndarray, keys: np.ndarray, fmt: int, n_heads: int, weights: np.ndarray) -> None:
+    """weights[h, s] = q_h . key s (its KV head), over stored rows keys [S, row_bytes] of `fmt`."""
+    kind, size = _layout(fmt)
+    head_dim = q.shape[0] // n_heads
+    per_head = head_dim // BLOCK
+    n_kv = keys.shape[1] // size // per_head
+    group = n_heads // n_kv
+    for s in range(keys.shape[0]):
+        for g in range(n_kv):
+            for h in range(g * group, (g + 1) * group):
+                weights[h, s] = _head_dot(kind, q, h * head_dim, keys[s], g * per_head, per_head, size)
+
+
+@njit(cache=True, fastmath=True)
+def mix_rows(weights: np.ndarray, values: np.ndarray, fmt: int, n_heads: int, out: np.ndarray) -> None:
+    """out[h] += sum_s weights[h, s] * value s (its KV head), over stored rows values [S, row_bytes]."""
+    kind, size = _layout(fmt)
+    head_dim = out.shape[0] // n_heads
+    per_head = head_dim // BLOCK
+    n_kv = values.shape[1] // size // per_head
+    group = n_heads // n_kv
+    for s in range(values.shape[0]):
+        for g in range(n_kv):
+            for h in range(g * group, (g + 1) * group):
+                _head_axpy(kind, out, h * head_dim, weights[h, s], values[s], g * per_head, per_head, size)
+
+
 @njit(cache=True, fastmath=True, parallel=True)
 def attention_decode_rows(
     q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: int, fmt: int, rotate: bool
 ) -> np.ndarray:
     """kernels.attention_decode over stored rows keys, values [S, row_bytes] uint8 of format `fmt`.
 
-    Spans of DECODE_CHUNK positions run in parallel; each decodes its K and V rows into a small float
-    scratch that stays in cache and attends over it, so the cache is read once in its compact form and
-    never copied out whole. With `rotate` the rows hold Hadamard-rotated heads (see the module).
+    Spans of DECODE_CHUNK positions run in parallel. Each stored block of 32 values is read straight
+    into vector registers (`inferno.kv.vectors`): a query head's score is a vector dot per block times
+    the block's scale, and the values are added into the output per block with weight times scale.
+    The cache is read once in its compact form and never decoded into a float copy. With `rotate`
+    the rows hold Hadamard-rotated heads (see the module).
     """
     n_pos = keys.shape[0]
     head_dim = q.shape[0] // n_heads
-    width = keys.shape[1] // 2 if fmt == FMT_F16 else keys.shape[1] // block_bytes(fmt) * BLOCK
     query = q.copy().reshape(1, -1)
     if rotate:
         hadamard_rows(query, head_dim)
+    query *= np.float32(1.0 / math.sqrt(head_dim))
     n_spans = (n_pos + DECODE_CHUNK - 1) // DECODE_CHUNK
-    partial = np.empty((n_spans, q.shape[0]), np.float32)
+    partial = np.zeros((n_spans, q.shape[0]), np.float32)
     stats = np.empty((n_spans, n_heads, 2), np.float32)
     for c in prange(n_spans):
         s0, s1 = c * DECODE_CHUNK, min((c + 1) * DECODE_CHUNK, n_pos)
-        k = np.empty((s1 - s0, width), np.float32)
-        v = np.empty((s1 - s0, width), np.float32)
-        decode_rows(keys[s0:s1], fmt, k)
-        decode_rows(values[s0:s1], fmt, v)
         weights = np.empty((n_heads, s1 - s0), np.float32)
-        attend_span(query[0], k, v, n_heads, weights, partial[c], stats[c])
+        score_rows(query[0], keys[s0:s1], fmt, n_heads, weights)
+        softmax_span(weights, s1 - s0, stats[c])
+        mix_rows(weights, values[s0:s1], fmt, n_heads, partial[c])
     out = combine_spans(partial, stats, n_heads).reshape(1, -1)
     if rotate:
         hadamard_rows(out, head_dim)

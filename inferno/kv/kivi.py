@@ -21,7 +21,7 @@ import numpy as np
 from numba import njit, prange
 
 from inferno.errors import InfernoError
-from inferno.kernels import attend_span, combine_spans, mix_span
+from inferno.kernels import attend_span, combine_spans, softmax_span
 from inferno.kv.blocks import (
     FMT_F16,
     FMT_Q4_0,
@@ -30,6 +30,7 @@ from inferno.kv.blocks import (
     float_to_half,
     hadamard_rows,
     half_to_float,
+    mix_rows,
 )
 from inferno.kv.geometry import KVGeometry
 from inferno.kv.memory import lazy_zeros
@@ -122,9 +123,9 @@ def attention_kivi(q: np.ndarray, codes: np.ndarray, scales: np.ndarray, mins: n
             for h in range(n_heads):
                 for t in range(GROUP):
                     weights[h, t] = (weights[h, t] + base[h]) * scale
-            v = np.empty((GROUP, w), np.float32)
-            decode_rows(values[c * GROUP : (c + 1) * GROUP], FMT_Q4_0, v)
-            mix_span(weights, v, n_heads, partial[c], stats[c])
+            softmax_span(weights, GROUP, stats[c])
+            partial[c] = 0.0
+            mix_rows(weights, values[c * GROUP : (c + 1) * GROUP], FMT_Q4_0, n_heads, partial[c])
             hadamard_rows(partial[c : c + 1], head_dim)  # the values were rotated: rotate the sum back
         else:
             k = np.empty((n_open, w), np.float32)
