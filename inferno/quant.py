@@ -41,7 +41,7 @@ LOAD_CHUNK_BYTES = 4 << 20  # file bytes read per step while repacking
 SUPPORTED = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0,
              QType.Q5_1, QType.Q4_K, QType.Q5_K, QType.Q6_K)
 # Types whose matvec computes from the blocks; the others dequantize a tile at a time and take dots.
-FUSED = (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q6_K)
+FUSED = (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q4_K, QType.Q6_K)
 
 # Plain ints, which Numba freezes as constants.
 F32, F16, BF16 = int(QType.F32), int(QType.F16), int(QType.BF16)
@@ -452,6 +452,20 @@ def _dot_q4_1(w, x, xs, acc, s):
 
 
 @njit(cache=True, fastmath=True)
+def _dot_q5_0(w, x, xs, acc, s):
+    for b in range(w.shape[0]):
+        for r in range(acc.size):
+            part = np.float32(0)
+            for k in range(2):  # elements 8k..8k+7 (low nibbles) and 16+8k..16+8k+7 (high nibbles)
+                lo, hi = w[b, 2 + k, r], w[b, 4 + k, r]  # their 5th bits
+                for j in range(8):
+                    e, v = 32 * b + 8 * k + j, w[b, 6 + 8 * k + j, r]
+                    part += x[e] * np.float32(np.int32(_lo(v) + (16 if lo & (1 << j) else 0)))
+                    part += x[e + 16] * np.float32(np.int32(_hi(v) + (16 if hi & (1 << j) else 0)))
+            acc[r] += _f16(w, b, 0, r) * (part - np.float32(16) * xs[b])
+
+
+@njit(cache=True, fastmath=True)
 def _dot_q4_k(w, x, xs, acc, s):
     lo, hi = s[0], s[1]
     for b in range(w.shape[0]):
@@ -496,7 +510,7 @@ def _dot_q6_k(w, x, xs, acc, s):
                     acc[r] += _f16(w, b, 208, r) * total
 
 
-_DOT = {Q8_0: _dot_q8_0, Q4_0: _dot_q4_0, Q4_1: _dot_q4_1, Q4_K: _dot_q4_k, Q6_K: _dot_q6_k}
+_DOT = {Q8_0: _dot_q8_0, Q4_0: _dot_q4_0, Q4_1: _dot_q4_1, Q5_0: _dot_q5_0, Q4_K: _dot_q4_k, Q6_K: _dot_q6_k}
 assert set(_DOT) == {int(t) for t in FUSED}
 
 
