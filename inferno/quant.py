@@ -41,7 +41,7 @@ LOAD_CHUNK_BYTES = 4 << 20  # file bytes read per step while repacking
 SUPPORTED = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0,
              QType.Q5_1, QType.Q4_K, QType.Q5_K, QType.Q6_K)
 # Types whose matvec computes from the blocks; the others dequantize a tile at a time and take dots.
-FUSED = (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q6_K)
+FUSED = (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q4_K, QType.Q6_K)
 
 # Plain ints, which Numba freezes as constants.
 F32, F16, BF16 = int(QType.F32), int(QType.F16), int(QType.BF16)
@@ -416,7 +416,9 @@ _DEQUANTIZE = {F32: _deq_f32, F16: _deq_f16, BF16: _deq_bf16, Q8_0: _deq_q8_0, Q
 # inside the lane loop: LLVM unrolls it, so the lane loop vectorizes with the partial sums in registers
 # (an array of per-lane partial sums kept them in memory: Q8_0 matvec 3.5x slower). The loop is written
 # out in each kernel: a helper inlined with inline="always" compiled to scalar code (10x slower) on a
-# first, uncached compile. The K-quants keep their scratch: the same shape there measured slower.
+# first, uncached compile. That inner loop must be short enough for LLVM to unroll it fully (else it stays
+# the innermost loop and the lane loop runs scalar): Q5_0 and Q6_K split theirs into 16-step loops.
+# Q4_K keeps its scratch: the register shape measured slower there (more runtime alias checks).
 
 
 @njit(cache=True, fastmath=True)
@@ -452,6 +454,20 @@ def _dot_q4_1(w, x, xs, acc, s):
 
 
 @njit(cache=True, fastmath=True)
+def _dot_q5_0(w, x, xs, acc, s):
+    for b in range(w.shape[0]):
+        for r in range(acc.size):
+            part = np.float32(0)
+            for k in range(2):  # elements 8k..8k+7 (low nibbles) and 16+8k..16+8k+7 (high nibbles)
+                lo, hi = w[b, 2 + k, r], w[b, 4 + k, r]  # their 5th bits
+                for j in range(8):
+                    e, v = 32 * b + 8 * k + j, w[b, 6 + 8 * k + j, r]
+                    part += x[e] * np.float32(np.int32(_lo(v) + (16 if lo & (1 << j) else 0)))
+                    part += x[e + 16] * np.float32(np.int32(_hi(v) + (16 if hi & (1 << j) else 0)))
+            acc[r] += _f16(w, b, 0, r) * (part - np.float32(16) * xs[b])
+
+
+@njit(cache=True, fastmath=True)
 def _dot_q4_k(w, x, xs, acc, s):
     lo, hi = s[0], s[1]
     for b in range(w.shape[0]):
@@ -477,26 +493,26 @@ def _dot_q6_k(w, x, xs, acc, s):
     for b in range(w.shape[0]):
         for h in range(2):
             for g in range(2):  # the two 16-element halves of each 32-run have their own scales
-                for k in range(4):
-                    _zero(s[k])
-                for i in range(16 * g, 16 * g + 16):
-                    e = 256 * b + 128 * h + i
-                    x0, x1, x2, x3 = x[e], x[e + 32], x[e + 64], x[e + 96]
-                    qa, qb, qh = w[b, 64 * h + i], w[b, 64 * h + 32 + i], w[b, 128 + 32 * h + i]
-                    for r in range(acc.size):
-                        a, c, hb = qa[r], qb[r], qh[r]
-                        s[0, r] += x0 * np.float32((_lo(a) | np.int32((hb & 3) << 4)) - 32)
-                        s[1, r] += x1 * np.float32((_lo(c) | np.int32(((hb >> 2) & 3) << 4)) - 32)
-                        s[2, r] += x2 * np.float32((_hi(a) | np.int32(((hb >> 4) & 3) << 4)) - 32)
-                        s[3, r] += x3 * np.float32((_hi(c) | np.int32((hb >> 6) << 4)) - 32)
+                e, i0 = 256 * b + 128 * h + 16 * g, 16 * g
                 for r in range(acc.size):
-                    total = np.float32(0)
-                    for k in range(4):
-                        total += np.float32(np.int8(w[b, 192 + 8 * h + 2 * k + g, r])) * s[k, r]
+                    # a loop per 32-run of the half-block: 16-step loops unroll, so the lane loop vectorizes
+                    p0 = p1 = p2 = p3 = np.float32(0)
+                    for i in range(16):
+                        p0 += x[e + i] * np.float32(np.int32(_q6(w, b, h, 0, i0 + i, r)))
+                    for i in range(16):
+                        p1 += x[e + 32 + i] * np.float32(np.int32(_q6(w, b, h, 1, i0 + i, r)))
+                    for i in range(16):
+                        p2 += x[e + 64 + i] * np.float32(np.int32(_q6(w, b, h, 2, i0 + i, r)))
+                    for i in range(16):
+                        p3 += x[e + 96 + i] * np.float32(np.int32(_q6(w, b, h, 3, i0 + i, r)))
+                    sc = 192 + 8 * h + g  # the int8 scale of run k is at byte sc + 2k
+                    total = (np.float32(np.int8(w[b, sc, r])) * p0 + np.float32(np.int8(w[b, sc + 2, r])) * p1
+                             + np.float32(np.int8(w[b, sc + 4, r])) * p2
+                             + np.float32(np.int8(w[b, sc + 6, r])) * p3)
                     acc[r] += _f16(w, b, 208, r) * total
 
 
-_DOT = {Q8_0: _dot_q8_0, Q4_0: _dot_q4_0, Q4_1: _dot_q4_1, Q4_K: _dot_q4_k, Q6_K: _dot_q6_k}
+_DOT = {Q8_0: _dot_q8_0, Q4_0: _dot_q4_0, Q4_1: _dot_q4_1, Q5_0: _dot_q5_0, Q4_K: _dot_q4_k, Q6_K: _dot_q6_k}
 assert set(_DOT) == {int(t) for t in FUSED}
 
 
