@@ -221,11 +221,13 @@ def _read(path: str | os.PathLike) -> tuple[Transformer, GGUFTokenizer, str]:
 
 
 def warm_up(model: Transformer) -> None:
-    """Run every kernel once so the first timed forward measures work, not compiling: a prompt just
-    long enough to take prefill's BLAS path, then one decode step."""
-    n = MATMUL_MIN_ROWS
-    tokens = np.arange(n + 1) % model.config.vocab_size  # any ids the embedding has
-    cache = make_cache("basic", model.config.kv_geometry, n + 1)
-    with refusing_non_finite(n):
-        check_logits(model.prefill(tokens[:n], cache), n - 1)
-        check_logits(model.decode(int(tokens[n]), n, cache), n)
+    """Run every kernel once so the first timed forward measures work, not compiling or loading: a
+    one-token prefill, one decode step, then the BLAS matmul of each block type the layers hold, on
+    one tile (a prompt long enough for that path would dequantize every weight to warm it)."""
+    tokens = np.arange(2) % model.config.vocab_size  # any ids the embedding has
+    cache = make_cache("basic", model.config.kv_geometry, len(tokens))
+    with refusing_non_finite(0):
+        check_logits(model.prefill(tokens[:1], cache), 0)
+        check_logits(model.decode(int(tokens[1]), 1, cache), 1)
+    for matrix in {m.qtype: m for m in model.layer_matrices()}.values():
+        matrix.first_tile().matmul(np.zeros((MATMUL_MIN_ROWS, matrix.cols), np.float32))

@@ -10,7 +10,7 @@ Weights stay in their GGUF type (`QuantizedMatrix`); activations are float32 thr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import gguf
@@ -147,6 +147,14 @@ class Transformer:
         model = cls(config, embedding, layers, vector("output_norm.weight"), output)
         check_finite_weights(model)
         return model
+
+    def layer_matrices(self) -> Iterator[QuantizedMatrix]:
+        """The layers' weight matrices: those a long prompt's prefill multiplies through BLAS."""
+        for layer in self.layers:
+            yield from layer.qkv.matrices
+            yield layer.wo
+            yield from layer.gate_up.matrices
+            yield layer.w_down
 
     # -- the two cached paths ------------------------------------------------------------------
 

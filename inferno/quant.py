@@ -94,6 +94,12 @@ class QuantizedMatrix:
         matrix.parts = parts
         return matrix
 
+    def first_tile(self) -> QuantizedMatrix:
+        """The rows of this matrix's first tile as a matrix of their own: the same kernels on a few rows
+        (the warm-up runs the BLAS path's kernels on it, not on the whole weight)."""
+        lanes = self._tiles.shape[3]
+        return QuantizedMatrix(self.name, self.qtype, min(lanes, self.rows), self.cols, self._tiles[:1])
+
     def __repr__(self) -> str:
         return f"QuantizedMatrix({self.name!r}, {self.qtype.name}, rows={self.rows}, cols={self.cols})"
 
