@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import codecs
 import json
-from collections.abc import Callable
 from datetime import datetime
 from functools import cache
 from typing import Any, ClassVar
@@ -116,7 +115,8 @@ class GGUFTokenizer:
         tokenizer: Tokenizer,
         tokens: list[str],
         *,
-        piece_bytes: Callable[[int], bytes],
+        pieces: list[str] | None,
+        byte_values: dict[int, int],
         bos_id: int | None,
         eos_id: int | None,
         add_bos: bool,
@@ -127,7 +127,8 @@ class GGUFTokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._tokens = tokens
-        self._piece_bytes = piece_bytes
+        self._pieces = pieces  # SentencePiece's pieces (▁ for a space); None: byte-level, spelled in tokens
+        self._byte_values = byte_values  # SentencePiece's <0xNN> byte tokens: id -> byte
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.add_bos = add_bos
@@ -163,13 +164,15 @@ class GGUFTokenizer:
         named = {var: ids[name] for var, name in _TEMPLATE_NAMES.items() if ids[name] is not None}
 
         if model == "gpt2":
-            tokenizer, piece_bytes = _byte_level_tokenizer(reader, tokens)
+            tokenizer = _byte_level_tokenizer(reader, tokens)
+            pieces, byte_values = None, {}
             _add_special_tokens(
                 tokenizer, tokens, token_types, set(named.values()), set(_byte_spelling().values())
             )
             add_bos_default = False
         else:
-            tokenizer, piece_bytes = _sentencepiece_tokenizer(reader, tokens, token_types, ids["unknown"])
+            tokenizer, pieces = _sentencepiece_tokenizer(reader, tokens, ids["unknown"])
+            byte_values = {i: int(tokens[i][3:5], 16) for i, kind in enumerate(token_types) if kind == BYTE}
             _add_special_tokens(tokenizer, tokens, token_types, set(named.values()), None)
             add_bos_default = True  # llama.cpp's and transformers' default for SentencePiece files
         stop_ids = {i for i in (ids["eos"], ids["eot"], ids["eom"]) if i is not None}
@@ -181,7 +184,8 @@ class GGUFTokenizer:
         return cls(
             tokenizer,
             tokens,
-            piece_bytes=piece_bytes,
+            pieces=pieces,
+            byte_values=byte_values,
             bos_id=ids["bos"],
             eos_id=ids["eos"],
             add_bos=metadata(reader, "tokenizer.ggml.add_bos_token", add_bos_default, kind=bool),
@@ -189,6 +193,41 @@ class GGUFTokenizer:
             stop_ids=frozenset(stop_ids),
             special_tokens={var: tokens[i] for var, i in named.items()},
             chat_template=metadata(reader, "tokenizer.chat_template", kind=str),
+        )
+
+    def to_state(self) -> tuple[dict, str]:
+        """Everything this tokenizer is, as JSON-able data and the `tokenizers` JSON (`from_state`
+        rebuilds it several times faster than from the GGUF's metadata)."""
+        state = {
+            "tokens": self._tokens,
+            "pieces": self._pieces if self._pieces != self._tokens else "tokens",
+            "byte_values": [[i, b] for i, b in self._byte_values.items()],
+            "bos_id": self.bos_id, "eos_id": self.eos_id, "add_bos": self.add_bos, "add_eos": self.add_eos,
+            "stop_ids": sorted(self._stop_ids),
+            "special_tokens": self._special_tokens,
+            "chat_template": self._chat_template,
+        }
+        return state, self._tokenizer.to_str()
+
+    @classmethod
+    def from_state(cls, state: dict, tokenizer_json: str) -> GGUFTokenizer:
+        """The tokenizer `to_state` described (a KeyError, TypeError or ValueError if it is not one)."""
+        tokens = state["tokens"]
+        pieces = tokens if state["pieces"] == "tokens" else state["pieces"]
+        if not all(isinstance(t, str) for t in tokens) or (pieces is not None and len(pieces) != len(tokens)):
+            raise ValueError("tokenizer state: tokens and pieces disagree")
+        return cls(
+            Tokenizer.from_str(tokenizer_json),
+            tokens,
+            pieces=pieces,
+            byte_values={int(i): int(b) for i, b in state["byte_values"]},
+            bos_id=state["bos_id"],
+            eos_id=state["eos_id"],
+            add_bos=bool(state["add_bos"]),
+            add_eos=bool(state["add_eos"]),
+            stop_ids=frozenset(int(i) for i in state["stop_ids"]),
+            special_tokens=dict(state["special_tokens"]),
+            chat_template=state["chat_template"],
         )
 
     def encode(self, text: str) -> list[int]:
@@ -207,7 +246,11 @@ class GGUFTokenizer:
     def token_bytes(self, id: int) -> bytes:
         """The raw bytes one token stands for (may be part of a multi-byte character)."""
         self._token(id)  # refuses an id outside the vocabulary
-        return self._piece_bytes(id)
+        if self._pieces is None:
+            return _spelled_bytes(self._tokens[id])
+        if id in self._byte_values:
+            return bytes([self._byte_values[id]])
+        return self._pieces[id].replace(SPACE, " ").encode("utf-8")
 
     def token_text(self, id: int) -> str:
         """One token as readable text: "Ġthe" and "▁the" are " the"; a piece of a character shows as \\xNN."""
@@ -261,9 +304,7 @@ class StreamDecoder:
         return self._utf8.decode(b"", final=True)
 
 
-def _byte_level_tokenizer(
-    reader: gguf.GGUFReader, tokens: list[str]
-) -> tuple[Tokenizer, Callable[[int], bytes]]:
+def _byte_level_tokenizer(reader: gguf.GGUFReader, tokens: list[str]) -> Tokenizer:
     pre = metadata(reader, "tokenizer.ggml.pre", "default", kind=str)
     if pre not in PRE_TOKENIZER_SPLITS:
         raise InfernoError(
@@ -295,17 +336,18 @@ def _byte_level_tokenizer(
             ]
         )
     tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer, lambda id: _spelled_bytes(tokens[id])
+    return tokenizer
 
 
 def _sentencepiece_tokenizer(
-    reader: gguf.GGUFReader, tokens: list[str], token_types: list[int], unk_id: int | None
-) -> tuple[Tokenizer, Callable[[int], bytes]]:
+    reader: gguf.GGUFReader, tokens: list[str], unk_id: int | None
+) -> tuple[Tokenizer, list[str]]:
     """SentencePiece BPE as transformers rebuilds it from a GGUF: spaces are ▁, characters missing from
     the vocabulary fall back to <0xNN> byte tokens, and merges come from the vocabulary itself.
 
     A SentencePiece file lists no merges: a token merges from any two tokens that spell it, the
-    better-ranked tokens first (by score; Gemma's by their order in the vocabulary).
+    better-ranked tokens first (by score; Gemma's by their order in the vocabulary). Returns the
+    tokenizer and the pieces as it spells them.
     """
     gemma = metadata(reader, "general.architecture", kind=str) in _GEMMA_ARCHITECTURES
     if gemma:  # Gemma writes its runs of spaces as real spaces; they are ▁▁... to the merges
@@ -336,15 +378,7 @@ def _sentencepiece_tokenizer(
         )
         steps.append(decoders.Strip(content=" ", left=1))
     tokenizer.decoder = decoders.Sequence(steps)
-
-    byte_values = {i: int(tokens[i][3:5], 16) for i, kind in enumerate(token_types) if kind == BYTE}
-
-    def piece_bytes(id: int) -> bytes:
-        if id in byte_values:
-            return bytes([byte_values[id]])
-        return tokens[id].replace(SPACE, " ").encode("utf-8")
-
-    return tokenizer, piece_bytes
+    return tokenizer, tokens
 
 
 def _merges_from_vocabulary(vocab: dict[str, int], priority: dict[str, float]) -> list[tuple[str, str]]:
