@@ -14,6 +14,7 @@ import ctypes
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from time import perf_counter
 
 import numpy as np
@@ -26,7 +27,7 @@ from inferno.kv import DEFAULT_DTYPE, KVCache, cache_class, make_cache
 from inferno.metrics import RunRecord, Startup
 from inferno.model import Transformer
 from inferno.output_text import OutputText
-from inferno.quant import MATMUL_MIN_ROWS
+from inferno.quant import MATMUL_MIN_ROWS, uses_blas
 from inferno.sampling import Sampler
 from inferno.tokenizer import GGUFTokenizer
 from inferno.validate import check_logits, refusing_non_finite
@@ -43,6 +44,7 @@ class Engine:
         self.startup = startup
         self.fingerprint = fingerprint  # which model made a cache: snapshots are checked against it
         self.path = path
+        self._matmul_ready = False  # the BLAS path's kernels are loaded (see ready_for)
 
     @property
     def config(self) -> ModelConfig:
@@ -119,6 +121,17 @@ class Engine:
             )
         return make_cache(kind, self.config.kv_geometry, capacity, dtype, **options)
 
+    def ready_for(self, rows: int) -> None:
+        """Before the first forward of `rows` rows or more that takes the BLAS path, load (or compile)
+        its kernels, so that forward measures work; the time counts in `startup.jit_ms`. Short prompts
+        never need them, and a run that has none does not pay for them."""
+        if self._matmul_ready or not uses_blas(rows):
+            return
+        t = perf_counter()
+        warm_up_matmul(self.model)
+        self._matmul_ready = True
+        self.startup = replace(self.startup, jit_ms=self.startup.jit_ms + (perf_counter() - t) * 1000)
+
     # -- the Python API ------------------------------------------------------------------------
 
     def prompt_text(self, prompt: str, chat: bool = False, system: str | None = None) -> str:
@@ -152,6 +165,8 @@ class Engine:
         if cache is None:
             cache = self.make_cache(kv, len(prompt_ids), max_new_tokens, max_context, kv_dtype,
                                     **cache_options)
+        # the most rows a forward of this request can take: the prompt, or with no cache the whole sequence
+        self.ready_for(len(prompt_ids) + (max_new_tokens if cache is None else 0))
         is_stop = (lambda _: False) if ignore_eos else self.tokenizer.is_stop
         return stream_generate(self.model, prompt_ids, max_new_tokens, sampler or Sampler(), cache, is_stop)
 
@@ -226,13 +241,18 @@ def release_freed_heap() -> None:
 
 
 def warm_up(model: Transformer) -> None:
-    """Run every kernel once so the first timed forward measures work, not compiling or loading: a
-    one-token prefill, one decode step, then the BLAS matmul of each block type the layers hold, on
-    one tile (a prompt long enough for that path would dequantize every weight to warm it)."""
+    """Run every kernel a request needs once, so the first timed forward measures work, not compiling
+    or loading: a one-token prefill and one decode step (the BLAS path's, for long prompts, are
+    warmed when one first comes: `warm_up_matmul`)."""
     tokens = np.arange(2) % model.config.vocab_size  # any ids the embedding has
     cache = make_cache("basic", model.config.kv_geometry, len(tokens))
     with refusing_non_finite(0):
         check_logits(model.prefill(tokens[:1], cache), 0)
         check_logits(model.decode(int(tokens[1]), 1, cache), 1)
+
+
+def warm_up_matmul(model: Transformer) -> None:
+    """The BLAS matmul of each block type the layers hold, on one tile (a prompt long enough to take
+    that path would dequantize every weight to warm it)."""
     for matrix in {m.qtype: m for m in model.layer_matrices()}.values():
         matrix.first_tile().matmul(np.zeros((MATMUL_MIN_ROWS, matrix.cols), np.float32))
