@@ -9,15 +9,9 @@ SmolLM) and SentencePiece BPE (`llama`: Llama 2, Mistral, Gemma), whose merges t
 from __future__ import annotations
 
 import codecs
-import json
-from datetime import datetime
 from functools import cache
-from typing import Any, ClassVar
 
 import gguf
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from inferno.errors import InfernoError
@@ -137,7 +131,6 @@ class GGUFTokenizer:
         self._stop_ids = stop_ids
         self._special_tokens = special_tokens
         self._chat_template = chat_template
-        self._compiled_template: jinja2.Template | None = None
 
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader) -> GGUFTokenizer:
@@ -264,18 +257,10 @@ class GGUFTokenizer:
         """Render the file's chat template for `messages` (dicts with "role" and "content")."""
         if self._chat_template is None:
             raise InfernoError("this GGUF has no chat template (tokenizer.chat_template)")
-        try:
-            if self._compiled_template is None:
-                self._compiled_template = _chat_environment().from_string(self._chat_template)
-            return self._compiled_template.render(
-                messages=messages,
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **self._special_tokens,
-            )
-        except jinja2.TemplateError as exc:
-            raise InfernoError(f"chat template failed: {exc}") from None
+        from inferno.chat_template import render  # jinja2 is imported only by runs that use a template
+
+        return render(self._chat_template, messages=messages, tools=None, documents=None,
+                      add_generation_prompt=add_generation_prompt, **self._special_tokens)
 
     def _token(self, id: int) -> str:
         if not 0 <= id < len(self._tokens):
@@ -420,38 +405,3 @@ def _add_special_tokens(
         if kind == USER_DEFINED and tokenizer.token_to_id(token) is not None
     ]
     tokenizer.add_tokens(user_defined)
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; we keep the body."""
-
-    tags: ClassVar[set[str]] = {"generation"}
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Any) -> str:
-        return caller()
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **options: Any) -> str:
-    """transformers' `tojson`: unlike jinja's own, it does not HTML-escape."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **options)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-@cache
-def _chat_environment() -> ImmutableSandboxedEnvironment:
-    """A sandbox set up like transformers' for chat templates, which are untrusted code from the file."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env

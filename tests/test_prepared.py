@@ -148,3 +148,21 @@ def test_the_real_model_from_its_entry_generates_the_reference_tokens(cache_dir,
     assert engine.startup.model_cache == "hit"
     tokens, _ = greedy(engine, reference["prompt_ids_0"].tolist(), 16)
     assert tokens == reference["continuation_ids"][0][:16].tolist()
+
+
+def test_the_blas_path_is_warmed_only_by_a_request_that_takes_it(cache_dir):
+    """A short prompt never loads the BLAS path's kernels; the first long one does, before its first
+    forward, and that time counts as the kernels' part of the start-up."""
+    from inferno.engine import Engine
+
+    engine = Engine.load(FIXTURES / "tiny_llama.gguf")
+    loaded = engine.startup.jit_ms
+    engine.generate("hi", 2)
+    assert engine.startup.jit_ms == loaded
+    long_prompt = "one two three four five six seven eight nine ten"
+    assert len(engine.tokenizer.encode(long_prompt)) >= 8
+    engine.generate(long_prompt, 2)
+    warmed = engine.startup.jit_ms
+    assert warmed > loaded
+    engine.generate(long_prompt, 2)
+    assert engine.startup.jit_ms == warmed
