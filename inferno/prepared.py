@@ -24,6 +24,7 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from stat import S_ISREG
 from time import perf_counter
 
 import numpy as np
@@ -72,6 +73,8 @@ def identity(model_path: str | os.PathLike) -> dict:
     """What must not have changed for an entry to stand for the file."""
     path = Path(model_path).resolve()
     stat = path.stat()
+    if not S_ISREG(stat.st_mode):  # a FIFO or device: read once, by open_gguf
+        raise OSError(f"{path} is not a regular file")
     digest = hashlib.sha256()
     with path.open("rb") as f:
         digest.update(f.read(SAMPLE_BYTES))
