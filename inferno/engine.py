@@ -71,13 +71,23 @@ class Engine:
         self, kind: str | None, prompt_tokens: int, new_tokens: int, max_context: int | None = None,
         dtype: str = DEFAULT_DTYPE, **options
     ) -> KVCache | None:
-        """The cache for a request (None: no cache), refusing before any work a request that cannot fit.
+        """The cache for a request (None: no cache), refusing before any work a request that cannot fit;
+        the kernels the request will use are then loaded (see `ready_for`).
 
         dtype: the element type of its rows (`inferno.kv.dtypes`); options: the kind's own (window:
         `window`, `sinks`, `positions`; paged: `block_size`). A kind that evicts holds what it can and
         runs past the model's context in its sliding layers; its global layers, if any, hold up to
         --max-context (default: the model's context).
         """
+        cache = self._cache_for(kind, prompt_tokens, new_tokens, max_context, dtype, **options)
+        # the most rows a forward of the request can take: the prompt, or with no cache the whole sequence
+        self.ready_for(prompt_tokens + (new_tokens if kind is None else 0))
+        return cache
+
+    def _cache_for(
+        self, kind: str | None, prompt_tokens: int, new_tokens: int, max_context: int | None,
+        dtype: str, **options
+    ) -> KVCache | None:
         context = self.config.context_length
         needed = prompt_tokens + new_tokens
         if prompt_tokens == 0:
@@ -165,8 +175,6 @@ class Engine:
         if cache is None:
             cache = self.make_cache(kv, len(prompt_ids), max_new_tokens, max_context, kv_dtype,
                                     **cache_options)
-        # the most rows a forward of this request can take: the prompt, or with no cache the whole sequence
-        self.ready_for(len(prompt_ids) + (max_new_tokens if cache is None else 0))
         is_stop = (lambda _: False) if ignore_eos else self.tokenizer.is_stop
         return stream_generate(self.model, prompt_ids, max_new_tokens, sampler or Sampler(), cache, is_stop)
 
