@@ -9,24 +9,26 @@ the Python API the commands are thin users of:
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from time import perf_counter
 
 import numpy as np
 
+from inferno import prepared
 from inferno.config import ModelConfig
 from inferno.errors import InfernoError
 from inferno.generate import Generation, stream_generate
-from inferno.gguf_file import open_gguf
 from inferno.kv import DEFAULT_DTYPE, KVCache, cache_class, make_cache
 from inferno.metrics import RunRecord, Startup
 from inferno.model import Transformer
 from inferno.output_text import OutputText
-from inferno.quant import MATMUL_MIN_ROWS
+from inferno.quant import MATMUL_MIN_ROWS, uses_blas
 from inferno.sampling import Sampler
-from inferno.snapshot import model_fingerprint
 from inferno.tokenizer import GGUFTokenizer
 from inferno.validate import check_logits, refusing_non_finite
 
@@ -42,6 +44,7 @@ class Engine:
         self.startup = startup
         self.fingerprint = fingerprint  # which model made a cache: snapshots are checked against it
         self.path = path
+        self._matmul_ready = False  # the BLAS path's kernels are loaded (see ready_for)
 
     @property
     def config(self) -> ModelConfig:
@@ -49,29 +52,42 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | os.PathLike, progress: Progress | None = None) -> Engine:
-        """Open the GGUF, map its weights, build its tokenizer and compile the kernels."""
+        """Read the model (from the prepared-model cache when it holds this file), build its tokenizer
+        and compile the kernels."""
         step = progress or (lambda _message: nullcontext())
         t0 = perf_counter()
         with step(f"loading {path}"):
-            model, tokenizer, fingerprint = _read(path)
+            ready = prepared.load(path)
+            release_freed_heap()
         t1 = perf_counter()
         with step("compiling kernels (cached on disk after the first run)"):
-            warm_up(model)
+            warm_up(ready.model)
         t2 = perf_counter()
-        startup = Startup(load_ms=(t1 - t0) * 1000, jit_ms=(t2 - t1) * 1000)
-        return cls(model, tokenizer, startup, fingerprint, str(path))
+        parts = {f"{name}_ms": ms for name, ms in ready.parts_ms.items()}
+        startup = Startup(load_ms=(t1 - t0) * 1000, jit_ms=(t2 - t1) * 1000, model_cache=ready.cache, **parts)
+        return cls(ready.model, ready.tokenizer, startup, ready.fingerprint, str(path))
 
     def make_cache(
         self, kind: str | None, prompt_tokens: int, new_tokens: int, max_context: int | None = None,
         dtype: str = DEFAULT_DTYPE, **options
     ) -> KVCache | None:
-        """The cache for a request (None: no cache), refusing before any work a request that cannot fit.
+        """The cache for a request (None: no cache), refusing before any work a request that cannot fit;
+        the kernels the request will use are then loaded (see `ready_for`).
 
         dtype: the element type of its rows (`inferno.kv.dtypes`); options: the kind's own (window:
         `window`, `sinks`, `positions`; paged: `block_size`). A kind that evicts holds what it can and
         runs past the model's context in its sliding layers; its global layers, if any, hold up to
         --max-context (default: the model's context).
         """
+        cache = self._cache_for(kind, prompt_tokens, new_tokens, max_context, dtype, **options)
+        # the most rows a forward of the request can take: the prompt, or with no cache the whole sequence
+        self.ready_for(prompt_tokens + (new_tokens if kind is None else 0))
+        return cache
+
+    def _cache_for(
+        self, kind: str | None, prompt_tokens: int, new_tokens: int, max_context: int | None,
+        dtype: str, **options
+    ) -> KVCache | None:
         context = self.config.context_length
         needed = prompt_tokens + new_tokens
         if prompt_tokens == 0:
@@ -114,6 +130,17 @@ class Engine:
                 f"more than the cache's {capacity} tokens"
             )
         return make_cache(kind, self.config.kv_geometry, capacity, dtype, **options)
+
+    def ready_for(self, rows: int) -> None:
+        """Before the first forward of `rows` rows or more that takes the BLAS path, load (or compile)
+        its kernels, so that forward measures work; the time counts in `startup.jit_ms`. Short prompts
+        never need them, and a run that has none does not pay for them."""
+        if self._matmul_ready or not uses_blas(rows):
+            return
+        t = perf_counter()
+        warm_up_matmul(self.model)
+        self._matmul_ready = True
+        self.startup = replace(self.startup, jit_ms=self.startup.jit_ms + (perf_counter() - t) * 1000)
 
     # -- the Python API ------------------------------------------------------------------------
 
@@ -213,19 +240,27 @@ def load(path: str | os.PathLike, progress: Progress | None = None) -> Engine:
     return Engine.load(path, progress)
 
 
-def _read(path: str | os.PathLike) -> tuple[Transformer, GGUFTokenizer, str]:
-    """Everything a run needs from the file. The reader (tens of MB of parsed metadata) is released
-    on return, before the kernels are compiled, so it never adds to the process's peak memory."""
-    reader = open_gguf(path)
-    return Transformer.from_gguf(reader), GGUFTokenizer.from_gguf(reader), model_fingerprint(reader)
+def release_freed_heap() -> None:
+    """Hand the heap that building the tokenizer (its JSON parse, or the GGUF's metadata) freed back to
+    the OS: glibc keeps it otherwise, and the compiled kernels loaded next do not reuse it (20 MB of
+    the peak RSS). A no-op on a C library without malloc_trim."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def warm_up(model: Transformer) -> None:
-    """Run every kernel once so the first timed forward measures work, not compiling: a prompt just
-    long enough to take prefill's BLAS path, then one decode step."""
-    n = MATMUL_MIN_ROWS
-    tokens = np.arange(n + 1) % model.config.vocab_size  # any ids the embedding has
-    cache = make_cache("basic", model.config.kv_geometry, n + 1)
-    with refusing_non_finite(n):
-        check_logits(model.prefill(tokens[:n], cache), n - 1)
-        check_logits(model.decode(int(tokens[n]), n, cache), n)
+    """Run every kernel a request needs once, so the first timed forward measures work, not compiling
+    or loading: a one-token prefill and one decode step (the BLAS path's, for long prompts, are
+    warmed when one first comes: `warm_up_matmul`)."""
+    tokens = np.arange(2) % model.config.vocab_size  # any ids the embedding has
+    cache = make_cache("basic", model.config.kv_geometry, len(tokens))
+    with refusing_non_finite(0):
+        check_logits(model.prefill(tokens[:1], cache), 0)
+        check_logits(model.decode(int(tokens[1]), 1, cache), 1)
+
+
+def warm_up_matmul(model: Transformer) -> None:
+    """The BLAS matmul of each block type the layers hold, on one tile (a prompt long enough to take
+    that path would dequantize every weight to warm it)."""
+    for matrix in {m.qtype: m for m in model.layer_matrices()}.values():
+        matrix.first_tile().matmul(np.zeros((MATMUL_MIN_ROWS, matrix.cols), np.float32))

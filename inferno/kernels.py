@@ -219,7 +219,9 @@ def softmax_span(weights: np.ndarray, n_pos: int, stats: np.ndarray) -> None:
     """exp(score - max) of each head's first n_pos scores in place, stats[h] = (max, sum)."""
     for h in range(weights.shape[0]):
         wh = weights[h, :n_pos]
-        top = wh.max()
+        top = wh[0]
+        for s in range(1, n_pos):  # a loop, not wh.max(): numpy's max costs a second of first compile
+            top = max(top, wh[s])
         total = np.float32(0.0)
         for s in range(n_pos):
             wh[s] = exp_f32(wh[s] - top)

@@ -14,8 +14,21 @@ SCHEMA_VERSION = 1  # of RunRecord.to_json(); bumped when a key changes meaning 
 
 @dataclass(frozen=True)
 class Startup:
-    load_ms: float  # parsing the GGUF, repacking weights, building the tokenizer
-    jit_ms: float  # compiling (first run) or loading (later runs) the kernels
+    """What came before the first forward, part by part (wall milliseconds)."""
+
+    load_ms: float  # reading the model: open + weights + tokenizer + cache_write below
+    jit_ms: float  # compiling (first run) or loading (later runs) the kernels, and running each once
+    open_ms: float = 0.0  # parsing the GGUF's header and metadata, or mapping the prepared-model cache entry
+    weights_ms: float = 0.0  # repacking the weights into tiles, or checking the cached tiles
+    tokenizer_ms: float = 0.0  # building the tokenizer from the metadata, or from the cache
+    cache_write_ms: float = 0.0  # writing the prepared-model cache entry (on a miss)
+    model_cache: str = "off"  # "hit", "miss" (built from the file and written) or "off" (not written)
+    imports_ms: float | None = None  # the command's imports and argument checks, before loading
+
+    def to_json(self) -> dict:
+        return {"imports_ms": self.imports_ms, "open_ms": self.open_ms, "weights_ms": self.weights_ms,
+                "tokenizer_ms": self.tokenizer_ms, "cache_write_ms": self.cache_write_ms,
+                "kernels_ms": self.jit_ms, "model_cache": self.model_cache}
 
 
 @dataclass
@@ -108,5 +121,6 @@ class RunRecord:
             "stopped_by": self.stopped_by,
             "metrics": self.metrics.to_json()
             | {"wall_ms": self.wall_ms, "load_cache_ms": self.load_cache_ms,
-               "load_ms": self.startup.load_ms, "jit_ms": self.startup.jit_ms},
+               "load_ms": self.startup.load_ms, "jit_ms": self.startup.jit_ms,
+               "startup": self.startup.to_json()},
         }

@@ -10,8 +10,9 @@ Weights stay in their GGUF type (`QuantizedMatrix`); activations are float32 thr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import gguf
 import numpy as np
@@ -35,16 +36,15 @@ class Projections:
     """Weights applied to the same input (q/k/v; gate/up). Those sharing a block type and row length
     are stacked into one QuantizedMatrix, so a decode step makes one kernel call for all of them."""
 
-    def __init__(self, tensors: list[gguf.ReaderTensor]):
-        kinds: dict[tuple[int, int], list[int]] = {}
-        for i, t in enumerate(tensors):
-            kinds.setdefault((int(t.tensor_type), int(t.shape[0])), []).append(i)
-        self.matrices: list[QuantizedMatrix] = []
-        self._where = [(0, 0)] * len(tensors)  # (matrix, part) holding each weight
-        for members in kinds.values():
-            for part, i in enumerate(members):
-                self._where[i] = (len(self.matrices), part)
-            self.matrices.append(QuantizedMatrix.from_tensors([tensors[i] for i in members]))
+    def __init__(self, matrices: list[QuantizedMatrix], names: list[str]):
+        """matrices: stacked weights holding, between them, the weights `names` (returned in that order)."""
+        self.matrices = matrices
+        place = {name: (m, p) for m, mat in enumerate(matrices) for p, name in enumerate(mat.part_names)}
+        self._where = [place[name] for name in names]  # (matrix, part) holding each weight
+
+    @classmethod
+    def from_tensors(cls, tensors: list[gguf.ReaderTensor]) -> Projections:
+        return cls(stack_tensors(tensors), [t.name for t in tensors])
 
     def __call__(self, x: np.ndarray, matmul: MatMul | None = None) -> list[np.ndarray]:
         """x [T, in] through every weight: one [T, out_i] array per weight, in the order given.
@@ -58,6 +58,51 @@ class Projections:
             first, n = self.matrices[m].parts[p]
             views.append(np.ascontiguousarray(outs[m][:, first : first + n]))  # no copy for one row
         return views
+
+
+def stack_tensors(tensors: list[gguf.ReaderTensor]) -> list[QuantizedMatrix]:
+    """The tensors as stacked matrices, one per block type and row length, in order of first appearance."""
+    kinds: dict[tuple[int, int], list[gguf.ReaderTensor]] = {}
+    for t in tensors:
+        kinds.setdefault((int(t.tensor_type), int(t.shape[0])), []).append(t)
+    return [QuantizedMatrix.from_tensors(members) for members in kinds.values()]
+
+
+class Weights(Protocol):
+    """Where a model's weights come from: the GGUF itself (`GGUFWeights`) or the prepared-model cache."""
+
+    def has(self, name: str) -> bool: ...
+
+    def vector(self, name: str) -> np.ndarray: ...
+
+    def stacked(self, names: list[str]) -> list[QuantizedMatrix]: ...
+
+
+class GGUFWeights:
+    """Weights read from the file: norms and biases as float32, matrices repacked into tiles. Keeps
+    what it built (`built`, by tensor name or stacked name) for the prepared-model cache."""
+
+    def __init__(self, reader: GGUFReader, config: ModelConfig):
+        self._tensors = {t.name: t for t in reader.tensors}
+        self._architecture = config.architecture
+        self.built: dict[str, np.ndarray | QuantizedMatrix] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def _tensor(self, name: str) -> gguf.ReaderTensor:
+        if name not in self._tensors:
+            raise InfernoError(f"GGUF file has no tensor {name} ({self._architecture} needs it)")
+        return self._tensors[name]
+
+    def vector(self, name: str) -> np.ndarray:
+        self.built[name] = tensor_to_float32(self._tensor(name))
+        return self.built[name]
+
+    def stacked(self, names: list[str]) -> list[QuantizedMatrix]:
+        matrices = stack_tensors([self._tensor(name) for name in names])
+        self.built |= {m.name: m for m in matrices}
+        return matrices
 
 
 @dataclass
@@ -106,36 +151,39 @@ class Transformer:
 
     @classmethod
     def from_gguf(cls, reader: GGUFReader) -> Transformer:
+        return cls.from_weights(*cls.weights_of(reader))
+
+    @staticmethod
+    def weights_of(reader: GGUFReader) -> tuple[ModelConfig, GGUFWeights]:
+        """The file's config and its weights, once the file is checked to hold what the config needs."""
         config = ModelConfig.from_gguf(reader)
         check_model_file(reader, config)
-        tensors = {t.name: t for t in reader.tensors}
+        return config, GGUFWeights(reader, config)
 
-        def tensor(name: str):
-            if name not in tensors:
-                raise InfernoError(f"GGUF file has no tensor {name} ({config.architecture} needs it)")
-            return tensors[name]
+    @classmethod
+    def from_weights(cls, config: ModelConfig, weights: Weights) -> Transformer:
 
         def matrix(name: str) -> QuantizedMatrix:
-            return QuantizedMatrix.from_tensor(tensor(name))
+            return weights.stacked([name])[0]
 
-        def vector(name: str) -> np.ndarray:
-            return tensor_to_float32(tensor(name))
+        def projections(names: list[str]) -> Projections:
+            return Projections(weights.stacked(names), names)
 
         def optional(name: str) -> np.ndarray | None:
-            return vector(name) if name in tensors else None
+            return weights.vector(name) if weights.has(name) else None
 
         layers = [
             Layer(
-                attn_norm=vector(f"blk.{i}.attn_norm.weight"),
-                qkv=Projections([tensor(f"blk.{i}.attn_{w}.weight") for w in "qkv"]),
+                attn_norm=weights.vector(f"blk.{i}.attn_norm.weight"),
+                qkv=projections([f"blk.{i}.attn_{w}.weight" for w in "qkv"]),
                 wo=matrix(f"blk.{i}.attn_output.weight"),
                 bq=optional(f"blk.{i}.attn_q.bias"),
                 bk=optional(f"blk.{i}.attn_k.bias"),
                 bv=optional(f"blk.{i}.attn_v.bias"),
                 q_norm=optional(f"blk.{i}.attn_q_norm.weight"),
                 k_norm=optional(f"blk.{i}.attn_k_norm.weight"),
-                ffn_norm=vector(f"blk.{i}.ffn_norm.weight"),
-                gate_up=Projections([tensor(f"blk.{i}.ffn_{w}.weight") for w in ("gate", "up")]),
+                ffn_norm=weights.vector(f"blk.{i}.ffn_norm.weight"),
+                gate_up=projections([f"blk.{i}.ffn_{w}.weight" for w in ("gate", "up")]),
                 w_down=matrix(f"blk.{i}.ffn_down.weight"),
                 post_attn_norm=optional(f"blk.{i}.post_attention_norm.weight"),
                 post_ffn_norm=optional(f"blk.{i}.post_ffw_norm.weight"),
@@ -144,9 +192,17 @@ class Transformer:
         ]
         embedding = matrix("token_embd.weight")
         output = embedding if config.tied_embeddings else matrix("output.weight")
-        model = cls(config, embedding, layers, vector("output_norm.weight"), output)
+        model = cls(config, embedding, layers, weights.vector("output_norm.weight"), output)
         check_finite_weights(model)
         return model
+
+    def layer_matrices(self) -> Iterator[QuantizedMatrix]:
+        """The layers' weight matrices: those a long prompt's prefill multiplies through BLAS."""
+        for layer in self.layers:
+            yield from layer.qkv.matrices
+            yield layer.wo
+            yield from layer.gate_up.matrices
+            yield layer.w_down
 
     # -- the two cached paths ------------------------------------------------------------------
 

@@ -67,6 +67,7 @@ class QuantizedMatrix:
         self._tiles = tiles
         self._kernels = _kernels(int(qtype))
         self.parts = [(0, rows)]  # (first row, rows) of each stacked weight (see from_tensors)
+        self.part_names = [name]  # the weight in each part
 
     @classmethod
     def from_tensor(cls, tensor: gguf.ReaderTensor) -> QuantizedMatrix:
@@ -80,19 +81,38 @@ class QuantizedMatrix:
         qtype, cols = shapes[0][0], shapes[0][2]
         if any((q, c) != (qtype, cols) for q, _, c in shapes):
             raise ValueError(f"cannot stack {[t.name for t in tensors]}: block types or row lengths differ")
-        lanes = WIDE_TILE_ROWS if qtype in (QType.Q4_0, QType.Q4_1) else TILE_ROWS
-        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-        counts = [-(-rows // lanes) for _, rows, _ in shapes]
-        tiles = np.empty((sum(counts), cols // block, type_size, lanes), np.uint8)
-        first = 0
-        parts = []
-        for tensor, (_, rows, _), count in zip(tensors, shapes, counts, strict=True):
-            _read_tiles(tensor, rows, tiles[first : first + count])
-            parts.append((first * lanes, rows))
-            first += count
-        matrix = cls("+".join(t.name for t in tensors), qtype, sum(parts[-1]), cols, tiles)
-        matrix.parts = parts
+        shape, parts = tile_layout(qtype, [rows for _, rows, _ in shapes], cols)
+        tiles = np.empty(shape, np.uint8)
+        lanes = shape[3]
+        for tensor, (first, rows) in zip(tensors, parts, strict=True):
+            _read_tiles(tensor, rows, tiles[first // lanes : (first + rows + lanes - 1) // lanes])
+        return cls.from_tiles([t.name for t in tensors], qtype, cols, tiles, parts)
+
+    @classmethod
+    def from_tiles(
+        cls, names: list[str], qtype: QType, cols: int, tiles: np.ndarray, parts: list[tuple[int, int]]
+    ) -> QuantizedMatrix:
+        """Weights `names` already in tiles (as from_tensors lays them out, parts included); tiles
+        of another shape, type or layout are refused (ValueError), never indexed out of bounds."""
+        shape, want = tile_layout(qtype, [rows for _, rows in parts], cols)
+        if len(names) != len(parts) or list(map(tuple, parts)) != want:
+            raise ValueError(f"{'+'.join(names)}: parts {parts} are not those of its rows")
+        if tiles.dtype != np.uint8 or tiles.shape != shape or not tiles.flags.c_contiguous:
+            raise ValueError(f"{'+'.join(names)}: tiles {tiles.dtype} {tiles.shape}, expected uint8 {shape}")
+        matrix = cls("+".join(names), qtype, sum(parts[-1]), cols, tiles)
+        matrix.parts, matrix.part_names = [tuple(p) for p in parts], list(names)
         return matrix
+
+    @property
+    def tiles(self) -> np.ndarray:
+        """The blocks, uint8[tile, block, byte, lane] (see the module's Layout)."""
+        return self._tiles
+
+    def first_tile(self) -> QuantizedMatrix:
+        """The rows of this matrix's first tile as a matrix of their own: the same kernels on a few rows
+        (the warm-up runs the BLAS path's kernels on it, not on the whole weight)."""
+        lanes = self._tiles.shape[3]
+        return QuantizedMatrix(self.name, self.qtype, min(lanes, self.rows), self.cols, self._tiles[:1])
 
     def __repr__(self) -> str:
         return f"QuantizedMatrix({self.name!r}, {self.qtype.name}, rows={self.rows}, cols={self.cols})"
@@ -186,6 +206,21 @@ def _matrix_shape(tensor: gguf.ReaderTensor) -> tuple[QType, int, int]:
         raise InfernoError(f"tensor {tensor.name}: row length {cols} is not a multiple of the "
                            f"{qtype.name} block size {block}")
     return qtype, rows, cols
+
+
+def tile_layout(qtype: QType, rows: list[int], cols: int) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
+    """The tiles' shape holding weights of `rows` rows each, stacked, and each one's (first row, rows)."""
+    if qtype not in SUPPORTED:
+        raise ValueError(f"block type {qtype!r} is not supported")
+    lanes = WIDE_TILE_ROWS if qtype in (QType.Q4_0, QType.Q4_1) else TILE_ROWS
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    if cols < 1 or cols % block or min(rows, default=0) < 1:
+        raise ValueError(f"{qtype.name} weights of {rows} rows of {cols} cannot be tiled")
+    parts, first = [], 0
+    for n in rows:
+        parts.append((first * lanes, n))
+        first += -(-n // lanes)
+    return (first, cols // block, type_size, lanes), parts
 
 
 def _read_tiles(tensor: gguf.ReaderTensor, rows: int, tiles: np.ndarray) -> None:

@@ -9,16 +9,9 @@ SmolLM) and SentencePiece BPE (`llama`: Llama 2, Mistral, Gemma), whose merges t
 from __future__ import annotations
 
 import codecs
-import json
-from collections.abc import Callable
-from datetime import datetime
 from functools import cache
-from typing import Any, ClassVar
 
 import gguf
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from inferno.errors import InfernoError
@@ -116,7 +109,8 @@ class GGUFTokenizer:
         tokenizer: Tokenizer,
         tokens: list[str],
         *,
-        piece_bytes: Callable[[int], bytes],
+        pieces: list[str] | None,
+        byte_values: dict[int, int],
         bos_id: int | None,
         eos_id: int | None,
         add_bos: bool,
@@ -127,7 +121,8 @@ class GGUFTokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._tokens = tokens
-        self._piece_bytes = piece_bytes
+        self._pieces = pieces  # SentencePiece's pieces (▁ for a space); None: byte-level, spelled in tokens
+        self._byte_values = byte_values  # SentencePiece's <0xNN> byte tokens: id -> byte
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.add_bos = add_bos
@@ -136,7 +131,6 @@ class GGUFTokenizer:
         self._stop_ids = stop_ids
         self._special_tokens = special_tokens
         self._chat_template = chat_template
-        self._compiled_template: jinja2.Template | None = None
 
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader) -> GGUFTokenizer:
@@ -163,13 +157,15 @@ class GGUFTokenizer:
         named = {var: ids[name] for var, name in _TEMPLATE_NAMES.items() if ids[name] is not None}
 
         if model == "gpt2":
-            tokenizer, piece_bytes = _byte_level_tokenizer(reader, tokens)
+            tokenizer = _byte_level_tokenizer(reader, tokens)
+            pieces, byte_values = None, {}
             _add_special_tokens(
                 tokenizer, tokens, token_types, set(named.values()), set(_byte_spelling().values())
             )
             add_bos_default = False
         else:
-            tokenizer, piece_bytes = _sentencepiece_tokenizer(reader, tokens, token_types, ids["unknown"])
+            tokenizer, pieces = _sentencepiece_tokenizer(reader, tokens, ids["unknown"])
+            byte_values = {i: int(tokens[i][3:5], 16) for i, kind in enumerate(token_types) if kind == BYTE}
             _add_special_tokens(tokenizer, tokens, token_types, set(named.values()), None)
             add_bos_default = True  # llama.cpp's and transformers' default for SentencePiece files
         stop_ids = {i for i in (ids["eos"], ids["eot"], ids["eom"]) if i is not None}
@@ -181,7 +177,8 @@ class GGUFTokenizer:
         return cls(
             tokenizer,
             tokens,
-            piece_bytes=piece_bytes,
+            pieces=pieces,
+            byte_values=byte_values,
             bos_id=ids["bos"],
             eos_id=ids["eos"],
             add_bos=metadata(reader, "tokenizer.ggml.add_bos_token", add_bos_default, kind=bool),
@@ -189,6 +186,41 @@ class GGUFTokenizer:
             stop_ids=frozenset(stop_ids),
             special_tokens={var: tokens[i] for var, i in named.items()},
             chat_template=metadata(reader, "tokenizer.chat_template", kind=str),
+        )
+
+    def to_state(self) -> tuple[dict, str]:
+        """Everything this tokenizer is, as JSON-able data and the `tokenizers` JSON (`from_state`
+        rebuilds it several times faster than from the GGUF's metadata)."""
+        state = {
+            "tokens": self._tokens,
+            "pieces": self._pieces if self._pieces != self._tokens else "tokens",
+            "byte_values": [[i, b] for i, b in self._byte_values.items()],
+            "bos_id": self.bos_id, "eos_id": self.eos_id, "add_bos": self.add_bos, "add_eos": self.add_eos,
+            "stop_ids": sorted(self._stop_ids),
+            "special_tokens": self._special_tokens,
+            "chat_template": self._chat_template,
+        }
+        return state, self._tokenizer.to_str()
+
+    @classmethod
+    def from_state(cls, state: dict, tokenizer_json: str) -> GGUFTokenizer:
+        """The tokenizer `to_state` described (a KeyError, TypeError or ValueError if it is not one)."""
+        tokens = state["tokens"]
+        pieces = tokens if state["pieces"] == "tokens" else state["pieces"]
+        if not all(isinstance(t, str) for t in tokens) or (pieces is not None and len(pieces) != len(tokens)):
+            raise ValueError("tokenizer state: tokens and pieces disagree")
+        return cls(
+            Tokenizer.from_str(tokenizer_json),
+            tokens,
+            pieces=pieces,
+            byte_values={int(i): int(b) for i, b in state["byte_values"]},
+            bos_id=state["bos_id"],
+            eos_id=state["eos_id"],
+            add_bos=bool(state["add_bos"]),
+            add_eos=bool(state["add_eos"]),
+            stop_ids=frozenset(int(i) for i in state["stop_ids"]),
+            special_tokens=dict(state["special_tokens"]),
+            chat_template=state["chat_template"],
         )
 
     def encode(self, text: str) -> list[int]:
@@ -207,7 +239,11 @@ class GGUFTokenizer:
     def token_bytes(self, id: int) -> bytes:
         """The raw bytes one token stands for (may be part of a multi-byte character)."""
         self._token(id)  # refuses an id outside the vocabulary
-        return self._piece_bytes(id)
+        if self._pieces is None:
+            return _spelled_bytes(self._tokens[id])
+        if id in self._byte_values:
+            return bytes([self._byte_values[id]])
+        return self._pieces[id].replace(SPACE, " ").encode("utf-8")
 
     def token_text(self, id: int) -> str:
         """One token as readable text: "Ġthe" and "▁the" are " the"; a piece of a character shows as \\xNN."""
@@ -221,18 +257,10 @@ class GGUFTokenizer:
         """Render the file's chat template for `messages` (dicts with "role" and "content")."""
         if self._chat_template is None:
             raise InfernoError("this GGUF has no chat template (tokenizer.chat_template)")
-        try:
-            if self._compiled_template is None:
-                self._compiled_template = _chat_environment().from_string(self._chat_template)
-            return self._compiled_template.render(
-                messages=messages,
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **self._special_tokens,
-            )
-        except jinja2.TemplateError as exc:
-            raise InfernoError(f"chat template failed: {exc}") from None
+        from inferno.chat_template import render  # jinja2 is imported only by runs that use a template
+
+        return render(self._chat_template, messages=messages, tools=None, documents=None,
+                      add_generation_prompt=add_generation_prompt, **self._special_tokens)
 
     def _token(self, id: int) -> str:
         if not 0 <= id < len(self._tokens):
@@ -261,9 +289,7 @@ class StreamDecoder:
         return self._utf8.decode(b"", final=True)
 
 
-def _byte_level_tokenizer(
-    reader: gguf.GGUFReader, tokens: list[str]
-) -> tuple[Tokenizer, Callable[[int], bytes]]:
+def _byte_level_tokenizer(reader: gguf.GGUFReader, tokens: list[str]) -> Tokenizer:
     pre = metadata(reader, "tokenizer.ggml.pre", "default", kind=str)
     if pre not in PRE_TOKENIZER_SPLITS:
         raise InfernoError(
@@ -295,17 +321,18 @@ def _byte_level_tokenizer(
             ]
         )
     tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer, lambda id: _spelled_bytes(tokens[id])
+    return tokenizer
 
 
 def _sentencepiece_tokenizer(
-    reader: gguf.GGUFReader, tokens: list[str], token_types: list[int], unk_id: int | None
-) -> tuple[Tokenizer, Callable[[int], bytes]]:
+    reader: gguf.GGUFReader, tokens: list[str], unk_id: int | None
+) -> tuple[Tokenizer, list[str]]:
     """SentencePiece BPE as transformers rebuilds it from a GGUF: spaces are ▁, characters missing from
     the vocabulary fall back to <0xNN> byte tokens, and merges come from the vocabulary itself.
 
     A SentencePiece file lists no merges: a token merges from any two tokens that spell it, the
-    better-ranked tokens first (by score; Gemma's by their order in the vocabulary).
+    better-ranked tokens first (by score; Gemma's by their order in the vocabulary). Returns the
+    tokenizer and the pieces as it spells them.
     """
     gemma = metadata(reader, "general.architecture", kind=str) in _GEMMA_ARCHITECTURES
     if gemma:  # Gemma writes its runs of spaces as real spaces; they are ▁▁... to the merges
@@ -336,15 +363,7 @@ def _sentencepiece_tokenizer(
         )
         steps.append(decoders.Strip(content=" ", left=1))
     tokenizer.decoder = decoders.Sequence(steps)
-
-    byte_values = {i: int(tokens[i][3:5], 16) for i, kind in enumerate(token_types) if kind == BYTE}
-
-    def piece_bytes(id: int) -> bytes:
-        if id in byte_values:
-            return bytes([byte_values[id]])
-        return tokens[id].replace(SPACE, " ").encode("utf-8")
-
-    return tokenizer, piece_bytes
+    return tokenizer, tokens
 
 
 def _merges_from_vocabulary(vocab: dict[str, int], priority: dict[str, float]) -> list[tuple[str, str]]:
@@ -386,38 +405,3 @@ def _add_special_tokens(
         if kind == USER_DEFINED and tokenizer.token_to_id(token) is not None
     ]
     tokenizer.add_tokens(user_defined)
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; we keep the body."""
-
-    tags: ClassVar[set[str]] = {"generation"}
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Any) -> str:
-        return caller()
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **options: Any) -> str:
-    """transformers' `tojson`: unlike jinja's own, it does not HTML-escape."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **options)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-@cache
-def _chat_environment() -> ImmutableSandboxedEnvironment:
-    """A sandbox set up like transformers' for chat templates, which are untrusted code from the file."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env

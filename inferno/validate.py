@@ -86,7 +86,7 @@ def check_model_file(reader: GGUFReader, config: ModelConfig) -> None:
     if config.n_layers * len(LAYER_TENSORS) > len(tensors):
         raise InfernoError(f"GGUF metadata says {config.n_layers} layers but the file has only "
                            f"{len(tensors)} tensors")
-    for name, expected in _expected_tensors(config, tensors).items():
+    for name, expected in expected_tensors(config, tensors).items():
         if name not in tensors:
             raise InfernoError(f"GGUF file has no tensor {name} ({config.architecture} needs it)")
         _check_tensor(tensors[name], expected(config))
@@ -156,7 +156,7 @@ NON_FINITE = ("the model computed NaN or Inf at position {position} "
               "(its weights hold non-finite or huge values)")
 
 
-def _expected_tensors(config: ModelConfig, tensors: dict) -> dict[str, Shape]:
+def expected_tensors(config: ModelConfig, tensors: dict) -> dict[str, Shape]:
     expected = dict(GLOBAL_TENSORS)
     expected |= {name: shape for name, shape in OPTIONAL_GLOBAL_TENSORS.items() if name in tensors}
     for i in range(config.n_layers):

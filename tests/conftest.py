@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from inferno.cli import common
+from inferno.prepared import CACHE_DIR_ENV
 
 os.environ.setdefault("GOMP_SPINCOUNT", common.SPIN_COUNT)  # as the commands do
+# The prepared-model cache of this session (and of the commands it runs): never the user's own.
+_MODEL_CACHE = tempfile.TemporaryDirectory(prefix="inferno-tests-")
+os.environ[CACHE_DIR_ENV] = _MODEL_CACHE.name
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / common.DEFAULT_MODEL

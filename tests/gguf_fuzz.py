@@ -338,6 +338,7 @@ def run_cases(cases: list[tuple[str, int]], workers: int = 2, timeout_s: float =
     rows: list[dict] = []
     pending = [cases[i::workers] for i in range(workers)]
     with tempfile.TemporaryDirectory() as tmp:
+        env["INFERNO_CACHE_DIR"] = str(Path(tmp) / "prepared")  # each case's model, never the user's cache
         serial = 0
         while any(pending):
             jobs = []

@@ -45,6 +45,26 @@ def test_json_has_the_documented_keys(generate, model_path):
     assert m["cache_bytes"] == 2 * 30 * 9 * 3 * 64 * 4
 
 
+def test_json_splits_the_start_up_and_a_second_run_reads_the_prepared_model(generate, model_path,
+                                                                           tmp_path, monkeypatch):
+    monkeypatch.setenv("INFERNO_CACHE_DIR", str(tmp_path))
+    runs = []
+    for _ in range(2):
+        code, out, err = generate("--kv", "prealloc", "--json", model_path, "Once upon a time", 3)
+        assert code == 0, err
+        runs.append(json.loads(out))
+    assert runs[0]["token_ids"] == runs[1]["token_ids"]
+    for run, cache in zip(runs, ("miss", "hit"), strict=True):
+        m = run["metrics"]
+        startup = m["startup"]
+        assert startup["model_cache"] == cache
+        parts = [startup[k] for k in ("open_ms", "weights_ms", "tokenizer_ms", "cache_write_ms")]
+        assert all(p >= 0 for p in parts) and sum(parts) <= m["load_ms"]
+        assert startup["kernels_ms"] == m["jit_ms"] > 0 and startup["imports_ms"] > 0
+    writes = [run["metrics"]["startup"]["cache_write_ms"] for run in runs]
+    assert writes[0] > 0 and writes[1] == 0
+
+
 def test_text_output_streams_the_continuation_then_metrics(generate, model_path):
     code, out, err = generate("--kv", "--ignore-eos", model_path, "Once upon a time", 4)
     assert code == 0

@@ -181,7 +181,7 @@ def test_stacked_weights_compute_like_separate_ones(tmp_path):
     tensors = write_gguf(tmp_path / "stack.gguf", {
         name: (qtype, make_blocks(qtype, rows, 256, rng)) for name, (qtype, rows) in shapes.items()
     })
-    group = Projections([tensors[name] for name in shapes])
+    group = Projections.from_tensors([tensors[name] for name in shapes])
     assert [m.qtype for m in group.matrices] == [Q.Q4_1, Q.Q8_0]
     stacked = group.matrices[0]
     assert stacked.parts == [(0, 70), (128, 33), (192, 64)]  # tiles of 64 rows

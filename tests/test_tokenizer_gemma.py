@@ -83,3 +83,14 @@ def test_a_llama_sentencepiece_file_matches_transformers(reader: gguf.GGUFReader
     actual = [tokenizer.encode(case["text"]) for case in CASES]
     assert actual == variant["ids"], mismatches(variant["ids"], actual)
     assert [tokenizer.decode(ids) for ids in variant["ids"]] == variant["decoded"]
+
+
+def test_the_prepared_models_tokenizer_is_the_same_tokenizer(tok: GGUFTokenizer) -> None:
+    """Rebuilt from its state (as the prepared-model cache stores it): transformers' ids and text."""
+    again = GGUFTokenizer.from_state(*tok.to_state())
+    expected = [case["ids"] for case in CASES]
+    actual = [again.encode(case["text"]) for case in CASES]
+    assert actual == expected, mismatches(expected, actual)
+    assert [again.decode(case["ids"]) for case in CASES] == [case["decoded"] for case in CASES]
+    assert [again.token_bytes(i) for i in range(0, tok.vocab_size, 97)] == [
+        tok.token_bytes(i) for i in range(0, tok.vocab_size, 97)]

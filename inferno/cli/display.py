@@ -65,7 +65,10 @@ def metrics_panel(run: RunRecord) -> Table:
             ("decode forwards", sparkline(forwards[1:]) or "none"),
             ("every forward (ms)", " ".join(f"{f:.1f}" for f in forwards)),
         ]
-    startup = f"load {run.startup.load_ms:.0f} ms, kernels {run.startup.jit_ms:.0f} ms, "
+    s = run.startup
+    startup = f"imports {s.imports_ms:.0f} ms, " if s.imports_ms is not None else ""
+    cached = {"hit": " (cached)", "miss": " (now cached)"}.get(s.model_cache, "")
+    startup += f"load {s.load_ms:.0f} ms{cached}, kernels {s.jit_ms:.0f} ms, "
     startup += f"run {run.wall_ms:.0f} ms"
     if run.load_cache_ms is not None:
         startup += f", snapshot {run.load_cache_ms:.0f} ms"

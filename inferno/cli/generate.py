@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from time import perf_counter
 
 import click
 from rich.text import Text
 
+import inferno
 from inferno.cli.common import (
     EXIT_INTERRUPTED,
     blame,
@@ -186,7 +188,9 @@ def command(args, kv, kv_dtype, max_context, block_size, num_samples, batch_file
     from inferno.snapshot import Snapshot
 
     err = console(stderr=True)
+    imports_ms = (perf_counter() - inferno.IMPORTED_AT) * 1000
     engine = Engine.load(model_path, progress=None if as_json else progress_on(err))
+    engine.startup = replace(engine.startup, imports_ms=imports_ms)
     if many:
         from inferno.cli import generate_many
         from inferno.kv.paged import BLOCK_SIZE

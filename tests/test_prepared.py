@@ -1,0 +1,168 @@
+"""The prepared-model cache: reused by a second load, rebuilt when the model file changes or the entry
+is stale, cut off or garbled, skipped when it cannot be written; the model it gives computes exactly
+what the model built from the file computes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from conftest import FIXTURES, greedy
+
+from inferno import prepared
+from inferno.kv import make_cache
+
+TINY = FIXTURES / "tiny_qwen2.gguf"  # biases as well as norms and stacked matrices
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    directory = tmp_path / "cache"
+    monkeypatch.setenv(prepared.CACHE_DIR_ENV, str(directory))
+    return directory
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    path = tmp_path / "model.gguf"
+    shutil.copyfile(TINY, path)
+    return path
+
+
+def logits_of(ready: prepared.Prepared, ids: list[int]) -> np.ndarray:
+    """Every logit of a prefill then three decode steps."""
+    model = ready.model
+    cache = make_cache("prealloc", model.config.kv_geometry, len(ids) + 3)
+    out = [model.prefill(np.array(ids), cache)]
+    for token in (5, 6, 7):
+        out.append(model.decode(token, cache.length, cache))
+    return np.stack(out)
+
+
+def same_model(a: prepared.Prepared, b: prepared.Prepared) -> None:
+    text = "hello world, the cache"
+    assert a.tokenizer.encode(text) == b.tokenizer.encode(text)
+    assert [a.tokenizer.token_bytes(i) for i in range(a.tokenizer.vocab_size)] == [
+        b.tokenizer.token_bytes(i) for i in range(b.tokenizer.vocab_size)]
+    assert a.tokenizer.is_stop(a.tokenizer.eos_id) and b.tokenizer.is_stop(b.tokenizer.eos_id)
+    assert a.fingerprint == b.fingerprint and a.model.config == b.model.config
+    ids = a.tokenizer.encode(text)
+    np.testing.assert_array_equal(logits_of(a, ids), logits_of(b, ids))  # bit for bit
+
+
+def test_a_second_load_reads_the_entry_and_computes_the_same(cache_dir, model_file):
+    built = prepared.load(model_file)
+    assert built.cache == "miss" and prepared.entry_path(model_file).is_file()
+    cached = prepared.load(model_file)
+    assert cached.cache == "hit"
+    assert set(cached.parts_ms) == {"open", "weights", "tokenizer"}
+    same_model(built, cached)
+
+
+def test_a_changed_model_file_is_rebuilt(cache_dir, model_file):
+    prepared.load(model_file)
+    stat = model_file.stat()
+    os.utime(model_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert prepared.load(model_file).cache == "miss"
+    assert prepared.load(model_file).cache == "hit"
+    # the same size and mtime, other content: the content sample tells them apart
+    data = bytearray(model_file.read_bytes())
+    stat = model_file.stat()
+    data[-1] ^= 0xFF
+    model_file.write_bytes(bytes(data))
+    os.utime(model_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert prepared.load(model_file).cache == "miss"
+
+
+def rewrite_header(entry, change) -> None:
+    """Apply change(header) to an entry's JSON header, keeping its arrays where they are."""
+    raw = entry.read_bytes()
+    start = len(prepared.MAGIC) + 8
+    end = start + int(np.frombuffer(raw, "<u8", 1, len(prepared.MAGIC))[0])
+    header = json.loads(raw[start:end])
+    change(header)
+    new = json.dumps(header).encode()
+    data = raw[prepared._aligned(end):]
+    padded = prepared._aligned(start + len(new)) - start - len(new)
+    entry.write_bytes(prepared.MAGIC + np.uint64(len(new)).tobytes() + new + bytes(padded) + data)
+
+
+def shrink_a_matrix(header: dict) -> None:
+    """A stacked matrix that claims fewer rows (tiles and parts consistent with each other)."""
+    key = next(k for k, spec in header["matrices"].items() if len(spec["names"]) == 1)
+    header["matrices"][key]["parts"] = [[0, 1]]
+    header["arrays"][key]["shape"][0] = 1
+
+
+def shrink_a_vector(header: dict) -> None:
+    key = next(k for k in header["arrays"] if k.endswith("attn_norm.weight"))
+    header["arrays"][key]["shape"] = [1]
+
+
+@pytest.mark.parametrize("damage", [
+    lambda entry: entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2]),  # cut off
+    lambda entry: entry.write_bytes(b"\0" * 64),  # not an entry at all
+    lambda entry: entry.write_bytes(entry.read_bytes()[:40] + b"garbage" + entry.read_bytes()[47:]),
+    lambda entry: rewrite_header(entry, lambda h: h["identity"].update(version=0)),  # an older format
+    lambda entry: rewrite_header(entry, shrink_a_matrix),
+    lambda entry: rewrite_header(entry, shrink_a_vector),
+    lambda entry: rewrite_header(entry, lambda h: h["config"].update(hidden_size=0)),
+], ids=["cut-off", "zeros", "garbled-header", "old-version", "matrix-shape", "vector-shape", "config"])
+def test_a_bad_entry_is_rebuilt_never_used(cache_dir, model_file, damage):
+    built = prepared.load(model_file)
+    damage(prepared.entry_path(model_file))
+    rebuilt = prepared.load(model_file)
+    assert rebuilt.cache == "miss"
+    same_model(built, rebuilt)
+    assert prepared.load(model_file).cache == "hit"  # the rebuilt entry is good
+
+
+def test_an_unwritable_cache_is_skipped(tmp_path, monkeypatch, model_file):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv(prepared.CACHE_DIR_ENV, str(blocker / "cache"))  # under a file: mkdir fails
+    ready = prepared.load(model_file)
+    assert ready.cache == "off" and not list(tmp_path.glob("**/*.model"))
+    assert ready.tokenizer.encode("hello") == prepared.load(model_file).tokenizer.encode("hello")
+
+
+def test_the_cache_directory_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv(prepared.CACHE_DIR_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert prepared.cache_dir() == tmp_path / "xdg" / "inferno"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert prepared.cache_dir() == tmp_path / "home" / ".cache" / "inferno"
+
+
+def test_the_real_model_from_its_entry_generates_the_reference_tokens(cache_dir, model_path):
+    """SmolLM2 read from its entry: the greedy tokens of HF's float32 reference."""
+    reference = np.load(FIXTURES / "hf_smollm2.npz")
+    from inferno.engine import Engine
+
+    Engine.load(model_path)
+    engine = Engine.load(model_path)
+    assert engine.startup.model_cache == "hit"
+    tokens, _ = greedy(engine, reference["prompt_ids_0"].tolist(), 16)
+    assert tokens == reference["continuation_ids"][0][:16].tolist()
+
+
+def test_the_blas_path_is_warmed_only_by_a_request_that_takes_it(cache_dir):
+    """A short prompt never loads the BLAS path's kernels; the first long one does, before its first
+    forward, and that time counts as the kernels' part of the start-up."""
+    from inferno.engine import Engine
+
+    engine = Engine.load(FIXTURES / "tiny_llama.gguf")
+    loaded = engine.startup.jit_ms
+    engine.generate("hi", 2)
+    assert engine.startup.jit_ms == loaded
+    long_prompt = "one two three four five six seven eight nine ten"
+    assert len(engine.tokenizer.encode(long_prompt)) >= 8
+    engine.generate(long_prompt, 2)
+    warmed = engine.startup.jit_ms
+    assert warmed > loaded
+    engine.generate(long_prompt, 2)
+    assert engine.startup.jit_ms == warmed
