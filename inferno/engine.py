@@ -45,6 +45,7 @@ class Engine:
         self.fingerprint = fingerprint  # which model made a cache: snapshots are checked against it
         self.path = path
         self._matmul_ready = False  # the BLAS path's kernels are loaded (see ready_for)
+        self._caches_ready = {(WARM_KIND, DEFAULT_DTYPE)}  # (kind, dtype) whose kernels are loaded
 
     @property
     def config(self) -> ModelConfig:
@@ -80,6 +81,8 @@ class Engine:
         --max-context (default: the model's context).
         """
         cache = self._cache_for(kind, prompt_tokens, new_tokens, max_context, dtype, **options)
+        if cache is not None:
+            self._ready_cache(cache, kind, dtype)
         # the most rows a forward of the request can take: the prompt, or with no cache the whole sequence
         self.ready_for(prompt_tokens + (new_tokens if kind is None else 0))
         return cache
@@ -140,6 +143,20 @@ class Engine:
         t = perf_counter()
         warm_up_matmul(self.model)
         self._matmul_ready = True
+        self.startup = replace(self.startup, jit_ms=self.startup.jit_ms + (perf_counter() - t) * 1000)
+
+    def _ready_cache(self, cache: KVCache, kind: str, dtype: str) -> None:
+        """Before the first timed forward into a kind and element type this engine has not used yet,
+        one token is prefilled into the cache and one decoded, then the cache is reset: its attention
+        kernels are loaded (or compiled) now, counted in `startup.jit_ms`, not in the request's first
+        forwards."""
+        if (kind, dtype) in self._caches_ready or cache.capacity < 2:
+            return
+        t = perf_counter()
+        self.model.prefill(np.zeros(1, np.int64), cache)
+        self.model.decode(0, 1, cache)
+        cache.reset()
+        self._caches_ready.add((kind, dtype))
         self.startup = replace(self.startup, jit_ms=self.startup.jit_ms + (perf_counter() - t) * 1000)
 
     # -- the Python API ------------------------------------------------------------------------
@@ -248,12 +265,15 @@ def release_freed_heap() -> None:
         ctypes.CDLL(None).malloc_trim(0)
 
 
+WARM_KIND = "prealloc"  # the cache kind warm_up runs: the default run's; others are warmed on first use
+
+
 def warm_up(model: Transformer) -> None:
     """Run every kernel a request needs once, so the first timed forward measures work, not compiling
     or loading: a one-token prefill and one decode step (the BLAS path's, for long prompts, are
     warmed when one first comes: `warm_up_matmul`)."""
     tokens = np.arange(2) % model.config.vocab_size  # any ids the embedding has
-    cache = make_cache("basic", model.config.kv_geometry, len(tokens))
+    cache = make_cache(WARM_KIND, model.config.kv_geometry, len(tokens))
     with refusing_non_finite(0):
         check_logits(model.prefill(tokens[:1], cache), 0)
         check_logits(model.decode(int(tokens[1]), 1, cache), 1)
