@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
 from typing import NoReturn
 
@@ -45,6 +45,29 @@ def run(command: click.Command, prog: str) -> None:
         # /dev/null, so the interpreter's last flush of what is still buffered cannot fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
+
+
+def script(main: Callable[[], None]) -> Callable[[], NoReturn]:
+    """A console script's entry point: `main()`, then the process ends at once with its exit code.
+
+    Python's own teardown of everything a run loaded (modules, Numba's dispatchers, the model) took
+    about 130 ms of a 1.1 s 32-token run and does nothing a finished command needs: files are closed
+    and snapshots written or removed inside the command. Tests call `main()` itself."""
+
+    def entry() -> NoReturn:
+        try:
+            main()
+            code = 0
+        except SystemExit as done:
+            code = done.code if isinstance(done.code, int) else 0 if done.code is None else 1
+            if not isinstance(done.code, int | None):
+                print(done.code, file=sys.stderr)
+        for stream in (sys.stdout, sys.stderr):
+            with suppress(BrokenPipeError, ValueError):  # the reader went away: nothing to deliver
+                stream.flush()
+        os._exit(code)
+
+    return entry
 
 
 def version_option() -> Callable:

@@ -29,6 +29,7 @@ from inferno.cli.common import (
     looks_like_model,
     progress_on,
     run,
+    script,
     set_threads,
     utf8,
     version_option,
@@ -318,5 +319,7 @@ def main() -> None:
     run(command, PROG)
 
 
+entry = script(main)  # the console script
+
 if __name__ == "__main__":
-    main()
+    entry()

@@ -11,7 +11,16 @@ import click
 
 from inferno.bench.batch_sweep import batch_sweep, parse_sizes
 from inferno.bench.kv_modes import DEFAULT_MODES, MODES, run_modes, summary_row
-from inferno.cli.common import console, default_model, progress_on, run, set_threads, utf8, version_option
+from inferno.cli.common import (
+    console,
+    default_model,
+    progress_on,
+    run,
+    script,
+    set_threads,
+    utf8,
+    version_option,
+)
 from inferno.errors import InfernoError
 from inferno.kv import DEFAULT_DTYPE, DTYPES
 from inferno.kv.paged import BLOCK_SIZE
@@ -163,5 +172,7 @@ def main() -> None:
     run(command, PROG)
 
 
+entry = script(main)  # the console script
+
 if __name__ == "__main__":
-    main()
+    entry()

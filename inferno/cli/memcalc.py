@@ -11,7 +11,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from inferno.cli.common import console, run, version_option
+from inferno.cli.common import console, run, script, version_option
 from inferno.deploy import Devices, devices, engine_plans, limiting, plan_stages
 from inferno.errors import InfernoError
 from inferno.hf_config import HFModel, Weights, read_hf_config
@@ -572,5 +572,7 @@ def main() -> None:
     run(command, PROG)
 
 
+entry = script(main)  # the console script
+
 if __name__ == "__main__":
-    main()
+    entry()

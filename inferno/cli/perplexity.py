@@ -10,7 +10,7 @@ from time import perf_counter
 
 import click
 
-from inferno.cli.common import blame, console, default_model, progress_on, run, set_threads
+from inferno.cli.common import blame, console, default_model, progress_on, run, script, set_threads
 from inferno.errors import InfernoError
 from inferno.kv import DEFAULT_KIND
 from inferno.kv.window import DEFAULT_SINKS, POSITIONS
@@ -78,5 +78,7 @@ def main() -> None:
     run(command, PROG)
 
 
+entry = script(main)  # the console script
+
 if __name__ == "__main__":
-    main()
+    entry()
