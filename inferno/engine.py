@@ -13,7 +13,7 @@ import contextlib
 import ctypes
 import os
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
 from time import perf_counter
 
@@ -140,23 +140,25 @@ class Engine:
         never need them, and a run that has none does not pay for them."""
         if self._matmul_ready or not uses_blas(rows):
             return
-        t = perf_counter()
-        warm_up_matmul(self.model)
+        with self._counted_as_kernels():
+            warm_up_matmul(self.model)
         self._matmul_ready = True
-        self.startup = replace(self.startup, jit_ms=self.startup.jit_ms + (perf_counter() - t) * 1000)
 
     def _ready_cache(self, cache: KVCache, kind: str, dtype: str) -> None:
         """Before the first timed forward into a kind and element type this engine has not used yet,
-        one token is prefilled into the cache and one decoded, then the cache is reset: its attention
-        kernels are loaded (or compiled) now, counted in `startup.jit_ms`, not in the request's first
-        forwards."""
+        `warm_up` runs through the cache (left empty): its attention kernels are loaded (or compiled)
+        now, counted in `startup.jit_ms`, not in the request's first forwards."""
         if (kind, dtype) in self._caches_ready or cache.capacity < 2:
             return
-        t = perf_counter()
-        self.model.prefill(np.zeros(1, np.int64), cache)
-        self.model.decode(0, 1, cache)
-        cache.reset()
+        with self._counted_as_kernels():
+            warm_up(self.model, cache)
         self._caches_ready.add((kind, dtype))
+
+    @contextmanager
+    def _counted_as_kernels(self) -> Iterator[None]:
+        """Time spent loading kernels after start-up still counts in `startup.jit_ms`."""
+        t = perf_counter()
+        yield
         self.startup = replace(self.startup, jit_ms=self.startup.jit_ms + (perf_counter() - t) * 1000)
 
     # -- the Python API ------------------------------------------------------------------------
@@ -268,15 +270,18 @@ def release_freed_heap() -> None:
 WARM_KIND = "prealloc"  # the cache kind warm_up runs: the default run's; others are warmed on first use
 
 
-def warm_up(model: Transformer) -> None:
+def warm_up(model: Transformer, cache: KVCache | None = None) -> None:
     """Run every kernel a request needs once, so the first timed forward measures work, not compiling
-    or loading: a one-token prefill and one decode step (the BLAS path's, for long prompts, are
-    warmed when one first comes: `warm_up_matmul`)."""
+    or loading: a one-token prefill and one decode step, into `cache` (left empty again) or a WARM_KIND
+    cache of two tokens (the BLAS path's kernels, for long prompts, are warmed when one first comes:
+    `warm_up_matmul`)."""
     tokens = np.arange(2) % model.config.vocab_size  # any ids the embedding has
-    cache = make_cache(WARM_KIND, model.config.kv_geometry, len(tokens))
+    if cache is None:
+        cache = make_cache(WARM_KIND, model.config.kv_geometry, len(tokens))
     with refusing_non_finite(0):
         check_logits(model.prefill(tokens[:1], cache), 0)
         check_logits(model.decode(int(tokens[1]), 1, cache), 1)
+    cache.reset()
 
 
 def warm_up_matmul(model: Transformer) -> None:
