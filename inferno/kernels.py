@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import prange, types
 from numba.extending import intrinsic
+
+from inferno.jit import njit
 
 
 @intrinsic

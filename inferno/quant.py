@@ -26,10 +26,11 @@ import numba
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import prange, types
 from numba.extending import intrinsic, overload
 
 from inferno.errors import InfernoError
+from inferno.jit import njit
 from inferno.kernels import float_from_bits
 
 TILE_ROWS = 32  # lanes per tile: full SIMD loops, yet enough tiles to share small matrices between threads

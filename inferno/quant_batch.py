@@ -18,9 +18,10 @@ from collections.abc import Callable
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import prange
 from numba.extending import overload
 
+from inferno.jit import njit
 from inferno.quant import Q4_0, Q4_1, Q8_0, QuantizedMatrix, _dequantize_tile, _f16, _hi, _lo
 
 GROUP_VALUES = 32  # values of a row dequantized per step: one block of the 32-value types

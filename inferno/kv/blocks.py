@@ -20,9 +20,10 @@ import math
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import prange, types
 from numba.extending import intrinsic
 
+from inferno.jit import njit
 from inferno.kernels import combine_spans, softmax_span
 from inferno.kv.vectors import KIND_F16, KIND_Q4, KIND_Q8, block_axpy, block_dot
 

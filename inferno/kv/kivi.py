@@ -18,9 +18,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from inferno.errors import InfernoError
+from inferno.jit import njit
 from inferno.kernels import attend_span, combine_spans, softmax_span
 from inferno.kv.blocks import (
     FMT_F16,

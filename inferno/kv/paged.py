@@ -19,9 +19,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from inferno.errors import InfernoError
+from inferno.jit import njit
 from inferno.kernels import DECODE_SPAN, combine_spans, softmax_span
 from inferno.kv.base import KVCache, KVCacheFullError
 from inferno.kv.dtypes import F32
