@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import prange, types
@@ -165,7 +166,18 @@ def causal_softmax(scores: np.ndarray, n_queries: int, first_pos: int, window: i
         scores[b, r, visible:] = 0.0
 
 
-DECODE_SPAN = 128  # cached positions per parallel task of attention_decode
+DECODE_SPAN = 128  # most cached positions per parallel task of decode attention
+MIN_SPAN = 16  # fewest: below this a task costs more to hand out than its positions take
+MAX_THREADS = numba.config.NUMBA_NUM_THREADS  # a constant to the kernels (get_num_threads() stops caching)
+
+
+@njit(cache=True)
+def decode_span(n_pos: int) -> int:
+    """Positions per parallel task when one query attends over n_pos: at most DECODE_SPAN, and short
+    enough that every thread gets a span when the cache is short (at depth 100, one span of 128 ran
+    the whole attention on one thread)."""
+    spans = max((n_pos + DECODE_SPAN - 1) // DECODE_SPAN, min(MAX_THREADS, n_pos // MIN_SPAN))
+    return max((n_pos + spans - 1) // max(spans, 1), 1)
 
 
 @njit(cache=True, fastmath=True)
@@ -241,11 +253,12 @@ def attention_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_head
     partial softmaxes are then rescaled to the global maximum and summed.
     """
     n_pos = keys.shape[0]
-    n_spans = (n_pos + DECODE_SPAN - 1) // DECODE_SPAN
+    span = decode_span(n_pos)
+    n_spans = (n_pos + span - 1) // span
     partial = np.empty((n_spans, q.shape[0]), np.float32)
     stats = np.empty((n_spans, n_heads, 2), np.float32)
     for c in prange(n_spans):
-        s0, s1 = c * DECODE_SPAN, min((c + 1) * DECODE_SPAN, n_pos)
+        s0, s1 = c * span, min((c + 1) * span, n_pos)
         weights = np.empty((n_heads, s1 - s0), np.float32)
         attend_span(q, keys[s0:s1], values[s0:s1], n_heads, weights, partial[c], stats[c])
     return combine_spans(partial, stats, n_heads)

@@ -24,12 +24,11 @@ from numba import prange, types
 from numba.extending import intrinsic
 
 from inferno.jit import njit
-from inferno.kernels import combine_spans, softmax_span
+from inferno.kernels import combine_spans, decode_span, softmax_span
 from inferno.kv.vectors import KIND_F16, KIND_Q4, KIND_Q8, block_axpy, block_dot
 
 FMT_F16, FMT_Q8_0, FMT_Q4_0 = 0, 1, 2
 BLOCK = 32  # values per q8_0 / q4_0 block
-DECODE_CHUNK = 128  # stored rows one parallel task of attention reads
 
 
 @njit(cache=True)
@@ -229,7 +228,7 @@ def attention_decode_rows(
 ) -> np.ndarray:
     """kernels.attention_decode over stored rows keys, values [S, row_bytes] uint8 of format `fmt`.
 
-    Spans of DECODE_CHUNK positions run in parallel. Each stored block of 32 values is read straight
+    Spans of positions (kernels.decode_span) run in parallel. Each stored block of 32 values is read straight
     into vector registers (`inferno.kv.vectors`): a query head's score is a vector dot per block times
     the block's scale, and the values are added into the output per block with weight times scale.
     The cache is read once in its compact form and never decoded into a float copy. With `rotate`
@@ -241,11 +240,12 @@ def attention_decode_rows(
     if rotate:
         hadamard_rows(query, head_dim)
     query *= np.float32(1.0 / math.sqrt(head_dim))
-    n_spans = (n_pos + DECODE_CHUNK - 1) // DECODE_CHUNK
+    span = decode_span(n_pos)
+    n_spans = (n_pos + span - 1) // span
     partial = np.zeros((n_spans, q.shape[0]), np.float32)
     stats = np.empty((n_spans, n_heads, 2), np.float32)
     for c in prange(n_spans):
-        s0, s1 = c * DECODE_CHUNK, min((c + 1) * DECODE_CHUNK, n_pos)
+        s0, s1 = c * span, min((c + 1) * span, n_pos)
         weights = np.empty((n_heads, s1 - s0), np.float32)
         score_rows(query[0], keys[s0:s1], fmt, n_heads, weights)
         softmax_span(weights, s1 - s0, stats[c])
