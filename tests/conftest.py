@@ -14,7 +14,6 @@ import pytest
 from inferno.cli import common
 from inferno.prepared import CACHE_DIR_ENV
 
-os.environ.setdefault("GOMP_SPINCOUNT", common.SPIN_COUNT)  # as the commands do
 # The prepared-model cache of this session (and of the commands it runs): never the user's own.
 _MODEL_CACHE = tempfile.TemporaryDirectory(prefix="inferno-tests-")
 os.environ[CACHE_DIR_ENV] = _MODEL_CACHE.name

@@ -4,10 +4,7 @@ round by round (interleaved), and the min and median of 5 rounds are printed. Ti
 CPU time, so other load on a shared machine does not count: run it with NUMBA_NUM_THREADS=1 to
 measure one thread's work."""
 
-import os
 import time
-
-os.environ.setdefault("GOMP_SPINCOUNT", "1000")  # as the commands do
 
 import numpy as np
 

@@ -126,20 +126,12 @@ def is_gguf_file(path: str) -> bool:
         return False
 
 
-SPIN_COUNT = "30000"  # busy-wait iterations (tens of microseconds) before an idle worker sleeps
-
-
 def set_threads(threads: int | None) -> None:
     """Cap every thread pool we use (Numba's and the BLAS behind numpy) at `threads`.
 
     Works whenever it is called: the BLAS limit goes through threadpoolctl to the library numpy has
-    already loaded. Idle OpenMP workers spin only briefly before sleeping: a decode step launches over
-    a hundred parallel loops microseconds apart, so sleeping at once (OMP_WAIT_POLICY=PASSIVE) made
-    decode 1.4x slower on a quiet machine, while libgomp's default long spin (300,000) made it up to
-    10x slower when other processes wanted the cores. 30,000 outlasts the Python between two loops:
-    on a 2-core Xeon VM, decode went from 77-79 tok/s at 1,000 to 95-96 (300,000: 96-97).
+    already loaded. (How long idle workers spin is set in inferno/__init__.py.)
     """
-    os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
     if threads is None:
         return
     if threads < 1:
