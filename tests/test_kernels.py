@@ -156,13 +156,23 @@ def test_attention_prefill_sees_only_the_window(first_pos, window):
         np.testing.assert_allclose(got, np.tile(v, 4), atol=1e-6)
 
 
-def test_attention_decode_is_the_last_row_of_causal_attention():
-    s = 50
+@pytest.mark.parametrize("s", [1, 15, 16, 50, 128, 129, 300])  # one span, one per thread, several
+def test_attention_decode_is_the_last_row_of_causal_attention(s):
     q = rng.standard_normal((1, 8 * 16), dtype=np.float32)
     k = rng.standard_normal((s, 2 * 16), dtype=np.float32)
     v = rng.standard_normal((s, 2 * 16), dtype=np.float32)
     got = kernels.attention_decode(q[0], k, v, 8)
     np.testing.assert_allclose(got, reference_attention(q, k, v, 8, s - 1)[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("n_pos", [1, 2, 15, 16, 31, 32, 100, 128, 129, 256, 257, 2048, 2049])
+def test_decode_spans_cover_the_cache_in_bounded_pieces(n_pos):
+    span = kernels.decode_span(n_pos)
+    n_spans = -(-n_pos // span)
+    assert 1 <= span <= kernels.DECODE_SPAN
+    assert (n_spans - 1) * span < n_pos <= n_spans * span  # every position in exactly one span, none empty
+    if n_pos >= kernels.MIN_SPAN * kernels.MAX_THREADS:  # enough positions: at least one span per thread
+        assert n_spans >= kernels.MAX_THREADS
 
 
 def test_exp_f32_is_within_two_ulp_of_exact_and_clamps_to_the_float32_range():
