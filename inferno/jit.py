@@ -6,12 +6,15 @@ vector work on bytes streaming from memory, where the full width pays: on a 2-co
 SmolLM2 decode went from 102-106 to 117-124 tok/s. CPUs without AVX-512 are left as Numba sees them.
 
 Numba builds its code generator when the first kernel is defined, so the target must be set before
-that: the kernel modules take `njit` from here. NUMBA_CPU_FEATURES, when the user sets it, wins.
+that: the kernel modules take `njit` from here. NUMBA_CPU_FEATURES, when the user sets it, wins; and
+if something in the process compiled with Numba before inferno was imported, the generator exists
+already and is left as it is (changing the features then would only mislabel the cached kernels).
 """
 
 import numba
 from numba import njit
 from numba.core.codegen import get_host_cpu_features
+from numba.core.registry import cpu_target
 
 __all__ = ["njit"]
 
@@ -23,5 +26,5 @@ def full_width_features() -> str | None:
     return f"{features},-prefer-256-bit" if "+avx512f" in features.split(",") else None
 
 
-if numba.config.CPU_FEATURES is None:
+if numba.config.CPU_FEATURES is None and "_toplevel_target_context" not in vars(cpu_target):
     numba.config.CPU_FEATURES = full_width_features()
