@@ -39,10 +39,11 @@ def test_prompts_are_cut_to_the_exact_token_count(tiny_tokenizer, target):
 
 
 def test_competitors_are_skipped_exactly_when_not_importable():
-    engines, skipped = available(["inferno", "llama.cpp", "hf"], sys.executable)
+    engines, skipped = available(["inferno", "llama.cpp", "llama.cpp-fa", "hf"], sys.executable)
     assert engines[0] == "inferno"
     has_llama = importlib.util.find_spec("llama_cpp") is not None
-    assert ("llama.cpp" in engines) == has_llama and ("llama.cpp" in skipped) != has_llama
+    for llama in ("llama.cpp", "llama.cpp-fa"):
+        assert (llama in engines) == has_llama and (llama in skipped) != has_llama
     if "hf" in skipped:
         assert "torch, transformers, gguf not importable" in skipped["hf"]
 
@@ -76,7 +77,7 @@ def test_bad_flags_are_one_line_and_exit_2():
                           capture_output=True, text=True)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip() == ("python -m inferno.bench: error: unknown engine(s) vllm; "
-                                   "choose from inferno, llama.cpp, hf")
+                                   "choose from inferno, llama.cpp, llama.cpp-fa, hf")
 
 
 def test_the_matvec_bench_runs_on_a_tiny_model():

@@ -8,7 +8,9 @@ Figures, per engine, on the same prompts and thread count:
                        generates 32 tokens from "Once upon a time"
 
 Every measurement of every engine is its own process. Rounds alternate the engines and report
-medians. Competitors are measured only when importable (llama_cpp; torch + transformers).
+medians. Competitors are measured only when importable (llama_cpp; torch + transformers). llama.cpp
+runs twice: as llama-cpp-python leaves it (flash attention off) and as llama.cpp's own tools run it
+on a CPU (`llama.cpp-fa`: on).
 """
 
 from __future__ import annotations

@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any
 
 
-def child_llama(model: str, threads: int, ctx: int, text: str, n_prompt: int, n_new: int) -> dict[str, Any]:
+def child_llama(model: str, threads: int, ctx: int, text: str, n_prompt: int, n_new: int,
+                flash_attn: bool = False) -> dict[str, Any]:
     import llama_cpp
     import numpy as np
 
     llm = llama_cpp.Llama(model_path=model, n_ctx=ctx, n_threads=threads, n_threads_batch=threads,
-                          n_batch=512, logits_all=False, verbose=False)
+                          n_batch=512, logits_all=False, flash_attn=flash_attn, verbose=False)
     ids = llm.tokenize(text.encode(), add_bos=False, special=False)
     if n_prompt:
         ids = ids[:n_prompt]
@@ -81,7 +82,7 @@ def child_hf(model: str, threads: int, ctx: int, text: str, n_prompt: int, n_new
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="competitors.py")
-    parser.add_argument("engine", choices=["llama.cpp", "hf"])
+    parser.add_argument("engine", choices=["llama.cpp", "llama.cpp-fa", "hf"])
     parser.add_argument("model")
     parser.add_argument("prompt_file")
     parser.add_argument("n_prompt", type=int, help="tokens of the prompt to keep (0: all)")
@@ -90,8 +91,12 @@ def main() -> None:
     parser.add_argument("ctx", type=int)
     a = parser.parse_args()
     text = Path(a.prompt_file).read_text()
-    run = child_llama if a.engine == "llama.cpp" else child_hf
-    print(json.dumps(run(a.model, a.threads, a.ctx, text, a.n_prompt, a.n_new)))
+    args = (a.model, a.threads, a.ctx, text, a.n_prompt, a.n_new)
+    if a.engine == "hf":
+        result = child_hf(*args)
+    else:
+        result = child_llama(*args, flash_attn=a.engine == "llama.cpp-fa")
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -9,8 +9,11 @@ from typing import Any
 
 from inferno.bench.processes import ChildResult
 
-ENGINES = ("inferno", "llama.cpp", "hf")
-LABELS = {"inferno": "inferno", "llama.cpp": "llama.cpp", "hf": "HF"}  # HF: transformers on torch
+# llama.cpp as llama-cpp-python runs it (flash attention off) and as llama.cpp's own tools run it on a
+# CPU (their default `auto` turns it on): faster at depth 0, slower deep in the context.
+ENGINES = ("inferno", "llama.cpp", "llama.cpp-fa", "hf")
+LABELS = {"inferno": "inferno", "llama.cpp": "llama.cpp", "llama.cpp-fa": "llama.cpp FA",
+          "hf": "HF"}  # HF: transformers on torch
 RUN_NEW = 32  # tokens of the whole-process run
 
 

@@ -22,6 +22,7 @@ from inferno.tokenizer import GGUFTokenizer
 # engine -> the modules the other interpreter must have for it, and how to get them
 REQUIREMENTS = {
     "llama.cpp": (("llama_cpp",), "pip install llama-cpp-python"),
+    "llama.cpp-fa": (("llama_cpp",), "pip install llama-cpp-python"),
     "hf": (("torch", "transformers", "gguf"), "pip install torch transformers gguf"),
 }
 
