@@ -25,7 +25,7 @@ from numba.extending import intrinsic
 
 from inferno.jit import njit
 from inferno.kernels import combine_spans, decode_span, softmax_span
-from inferno.kv.vectors import KIND_F16, KIND_Q4, KIND_Q8, block_axpy, block_dot
+from inferno.kv.vectors import KIND_F16, KIND_Q4, KIND_Q8, block_axpys, block_dots
 
 FMT_F16, FMT_Q8_0, FMT_Q4_0 = 0, 1, 2
 BLOCK = 32  # values per q8_0 / q4_0 block
@@ -152,40 +152,6 @@ def decode_rows(raw: np.ndarray, fmt: int, out: np.ndarray) -> None:
                     dst[j + BLOCK // 2] = d * np.float32(np.int32(nibbles[j] >> 4) - 8)
 
 
-@njit(cache=True, fastmath=True)
-def _head_dot(kind: int, q: np.ndarray, at: int, row: np.ndarray, first: int, n_blocks: int,
-              size: int) -> float:
-    """q[at : at + 32 n_blocks] . the n_blocks stored blocks of `row` from block `first`, scales applied."""
-    acc = np.float32(0.0)
-    for b in range(n_blocks):
-        o = (first + b) * size
-        if kind == KIND_F16:
-            acc += block_dot(KIND_F16, q, at + b * BLOCK, row, o)
-        else:
-            d = half_to_float(np.uint16(row[o]) | (np.uint16(row[o + 1]) << 8))
-            if kind == KIND_Q8:
-                acc += d * block_dot(KIND_Q8, q, at + b * BLOCK, row, o + 2)
-            else:
-                acc += d * block_dot(KIND_Q4, q, at + b * BLOCK, row, o + 2)
-    return acc
-
-
-@njit(cache=True, fastmath=True)
-def _head_axpy(kind: int, out: np.ndarray, at: int, w: float, row: np.ndarray, first: int, n_blocks: int,
-               size: int) -> None:
-    """out[at : at + 32 n_blocks] += w * the n_blocks stored blocks of `row` from block `first`."""
-    for b in range(n_blocks):
-        o = (first + b) * size
-        if kind == KIND_F16:
-            block_axpy(KIND_F16, out, at + b * BLOCK, w, row, o)
-        else:
-            d = half_to_float(np.uint16(row[o]) | (np.uint16(row[o + 1]) << 8))
-            if kind == KIND_Q8:
-                block_axpy(KIND_Q8, out, at + b * BLOCK, w * d, row, o + 2)
-            else:
-                block_axpy(KIND_Q4, out, at + b * BLOCK, w * d, row, o + 2)
-
-
 @njit(cache=True)
 def _layout(fmt: int) -> tuple[int, int]:
     """The vector kind of a format's blocks and their bytes (f16 rows: "blocks" of 32 halves, no scale)."""
@@ -194,32 +160,75 @@ def _layout(fmt: int) -> tuple[int, int]:
     return (KIND_Q8 if fmt == FMT_Q8_0 else KIND_Q4), block_bytes(fmt)
 
 
+@njit(cache=True)
+def _scale(kind: int, row: np.ndarray, o: int) -> float:
+    """The f16 scale at byte o of a stored block (1 for f16 rows, which have none)."""
+    if kind == KIND_F16:
+        return np.float32(1.0)
+    return half_to_float(np.uint16(row[o]) | (np.uint16(row[o + 1]) << 8))
+
+
+@njit(cache=True, fastmath=True)
+def _dots(kind: int, q, at, stride, n, row, offset, out, out_at, out_stride, scale) -> None:
+    """vectors.block_dots with the kind as the literal it needs."""
+    if kind == KIND_F16:
+        block_dots(KIND_F16, q, at, stride, n, row, offset, out, out_at, out_stride, scale)
+    elif kind == KIND_Q8:
+        block_dots(KIND_Q8, q, at, stride, n, row, offset, out, out_at, out_stride, scale)
+    else:
+        block_dots(KIND_Q4, q, at, stride, n, row, offset, out, out_at, out_stride, scale)
+
+
+@njit(cache=True, fastmath=True)
+def _axpys(kind: int, out, at, stride, n, coefs, c_at, c_stride, scale, row, offset) -> None:
+    """vectors.block_axpys with the kind as the literal it needs."""
+    if kind == KIND_F16:
+        block_axpys(KIND_F16, out, at, stride, n, coefs, c_at, c_stride, scale, row, offset)
+    elif kind == KIND_Q8:
+        block_axpys(KIND_Q8, out, at, stride, n, coefs, c_at, c_stride, scale, row, offset)
+    else:
+        block_axpys(KIND_Q4, out, at, stride, n, coefs, c_at, c_stride, scale, row, offset)
+
+
 @njit(cache=True, fastmath=True)
 def score_rows(q: np.ndarray, keys: np.ndarray, fmt: int, n_heads: int, weights: np.ndarray) -> None:
-    """weights[h, s] = q_h . key s (its KV head), over stored rows keys [S, row_bytes] of `fmt`."""
+    """weights[h, s] = q_h . key s (its KV head), over stored rows keys [S, row_bytes] of `fmt`.
+    Each stored block is converted once for all the query heads of its KV head."""
     kind, size = _layout(fmt)
     head_dim = q.shape[0] // n_heads
     per_head = head_dim // BLOCK
     n_kv = keys.shape[1] // size // per_head
     group = n_heads // n_kv
+    width = weights.shape[1]
+    first = 0 if kind == KIND_F16 else 2  # bytes before a block's values: its scale
+    for h in range(n_heads):
+        for s in range(keys.shape[0]):
+            weights[h, s] = 0.0
     for s in range(keys.shape[0]):
         for g in range(n_kv):
-            for h in range(g * group, (g + 1) * group):
-                weights[h, s] = _head_dot(kind, q, h * head_dim, keys[s], g * per_head, per_head, size)
+            for b in range(per_head):
+                o = (g * per_head + b) * size
+                _dots(kind, q, g * group * head_dim + b * BLOCK, head_dim, group, keys[s], o + first,
+                      weights, g * group * width + s, width, _scale(kind, keys[s], o))
 
 
 @njit(cache=True, fastmath=True)
 def mix_rows(weights: np.ndarray, values: np.ndarray, fmt: int, n_heads: int, out: np.ndarray) -> None:
-    """out[h] += sum_s weights[h, s] * value s (its KV head), over stored rows values [S, row_bytes]."""
+    """out[h] += sum_s weights[h, s] * value s (its KV head), over stored rows values [S, row_bytes].
+    Each stored block is converted once for all the query heads of its KV head."""
     kind, size = _layout(fmt)
     head_dim = out.shape[0] // n_heads
     per_head = head_dim // BLOCK
     n_kv = values.shape[1] // size // per_head
     group = n_heads // n_kv
+    width = weights.shape[1]
+    first = 0 if kind == KIND_F16 else 2
     for s in range(values.shape[0]):
         for g in range(n_kv):
-            for h in range(g * group, (g + 1) * group):
-                _head_axpy(kind, out, h * head_dim, weights[h, s], values[s], g * per_head, per_head, size)
+            for b in range(per_head):
+                o = (g * per_head + b) * size
+                _axpys(kind, out, g * group * head_dim + b * BLOCK, head_dim, group, weights,
+                       g * group * width + s, width, _scale(kind, values[s], o), values[s], o + first)
 
 
 @njit(cache=True, fastmath=True, parallel=True)

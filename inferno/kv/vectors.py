@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 KIND_F16, KIND_Q8, KIND_Q4 = 0, 1, 2
@@ -63,36 +64,61 @@ def _sum(builder, vector: ir.Value) -> ir.Value:
     return builder.extract_element(vector, ir.Constant(_INT, 0))
 
 
+def _c_arrays(*arrays) -> bool:
+    """Whether every array is C-contiguous: the grouped functions index them flat."""
+    return all(isinstance(a, types.Array) and a.layout == "C" for a in arrays)
+
+
+def _splat(builder, value: ir.Value) -> ir.Value:
+    first = builder.insert_element(ir.Constant(_VEC, ir.Undefined), value, ir.Constant(_INT, 0))
+    return builder.shuffle_vector(first, first, _constant(_INT, [0] * LANES))
+
+
 @intrinsic
-def block_dot(typingctx, kind, floats, at, row, offset):
-    """sum_j floats[at + j] * value_j over the block's 32 values (its scale not applied)."""
-    if not isinstance(kind, types.IntegerLiteral):
-        return None  # Numba asks again with the literal
-    sig = types.float32(kind, floats, at, row, offset)
+def block_dots(typingctx, kind, floats, at, stride, n, row, offset, out, out_at, out_stride, scale):
+    """out[out_at + i * out_stride] += scale * sum_j floats[at + i * stride + j] * value_j for i < n:
+    one block converted once for the n query heads of a KV head (grouped-query attention)."""
+    if not isinstance(kind, types.IntegerLiteral) or not _c_arrays(floats, out):
+        return None
+    sig = types.void(kind, floats, at, stride, n, row, offset, out, out_at, out_stride, scale)
 
     def codegen(context, builder, signature, args):
-        _, floats_value, at_value, row_value, at_row = args
-        values = _load_values(context, builder, kind.literal_value, signature.args[3], row_value, at_row)
-        where = _pointer(context, builder, signature.args[1], floats_value, at_value, _VEC)
-        return _sum(builder, builder.fmul(builder.load(where, align=4), values))
+        _, floats_v, at_v, stride_v, n_v, row_v, offset_v, out_v, out_at_v, out_stride_v, scale_v = args
+        floats_t, row_t, out_t = signature.args[1], signature.args[5], signature.args[7]
+        values = _load_values(context, builder, kind.literal_value, row_t, row_v, offset_v)
+        with cgutils.for_range(builder, n_v) as loop:
+            i = loop.index
+            start = builder.add(at_v, builder.mul(i, stride_v))
+            head = _pointer(context, builder, floats_t, floats_v, start, _VEC)
+            total = _sum(builder, builder.fmul(builder.load(head, align=4), values))
+            cell = builder.add(out_at_v, builder.mul(i, out_stride_v))
+            target = _pointer(context, builder, out_t, out_v, cell, ir.FloatType())
+            builder.store(builder.fadd(builder.load(target), builder.fmul(scale_v, total)), target)
+        return context.get_dummy_value()
 
     return sig, codegen
 
 
 @intrinsic
-def block_axpy(typingctx, kind, floats, at, coef, row, offset):
-    """floats[at + j] += coef * value_j over the block's 32 values (coef carries the scale)."""
-    if not isinstance(kind, types.IntegerLiteral):
+def block_axpys(typingctx, kind, floats, at, stride, n, coefs, c_at, c_stride, scale, row, offset):
+    """floats[at + i * stride + j] += scale * coefs[c_at + i * c_stride] * value_j for i < n: one block
+    converted once and added into the outputs of the n query heads of a KV head."""
+    if not isinstance(kind, types.IntegerLiteral) or not _c_arrays(floats, coefs):
         return None
-    sig = types.void(kind, floats, at, coef, row, offset)
+    sig = types.void(kind, floats, at, stride, n, coefs, c_at, c_stride, scale, row, offset)
 
     def codegen(context, builder, signature, args):
-        _, floats_value, at_value, coef_value, row_value, at_row = args
-        values = _load_values(context, builder, kind.literal_value, signature.args[4], row_value, at_row)
-        where = _pointer(context, builder, signature.args[1], floats_value, at_value, _VEC)
-        first = builder.insert_element(ir.Constant(_VEC, ir.Undefined), coef_value, ir.Constant(_INT, 0))
-        coefs = builder.shuffle_vector(first, first, _constant(_INT, [0] * LANES))
-        builder.store(builder.fadd(builder.load(where, align=4), builder.fmul(coefs, values)), where, align=4)
+        _, floats_v, at_v, stride_v, n_v, coefs_v, c_at_v, c_stride_v, scale_v, row_v, offset_v = args
+        floats_t, coefs_t, row_t = signature.args[1], signature.args[5], signature.args[9]
+        values = _load_values(context, builder, kind.literal_value, row_t, row_v, offset_v)
+        with cgutils.for_range(builder, n_v) as loop:
+            i = loop.index
+            cell = builder.add(c_at_v, builder.mul(i, c_stride_v))
+            coef = builder.load(_pointer(context, builder, coefs_t, coefs_v, cell, ir.FloatType()))
+            start = builder.add(at_v, builder.mul(i, stride_v))
+            head = _pointer(context, builder, floats_t, floats_v, start, _VEC)
+            added = builder.fmul(_splat(builder, builder.fmul(scale_v, coef)), values)
+            builder.store(builder.fadd(builder.load(head, align=4), added), head, align=4)
         return context.get_dummy_value()
 
     return sig, codegen
