@@ -169,28 +169,6 @@ def _scale(kind: int, row: np.ndarray, o: int) -> float:
 
 
 @njit(cache=True, fastmath=True)
-def _dots(kind: int, q, at, stride, n, row, offset, out, out_at, out_stride, scale) -> None:
-    """vectors.block_dots with the kind as the literal it needs."""
-    if kind == KIND_F16:
-        block_dots(KIND_F16, q, at, stride, n, row, offset, out, out_at, out_stride, scale)
-    elif kind == KIND_Q8:
-        block_dots(KIND_Q8, q, at, stride, n, row, offset, out, out_at, out_stride, scale)
-    else:
-        block_dots(KIND_Q4, q, at, stride, n, row, offset, out, out_at, out_stride, scale)
-
-
-@njit(cache=True, fastmath=True)
-def _axpys(kind: int, out, at, stride, n, coefs, c_at, c_stride, scale, row, offset) -> None:
-    """vectors.block_axpys with the kind as the literal it needs."""
-    if kind == KIND_F16:
-        block_axpys(KIND_F16, out, at, stride, n, coefs, c_at, c_stride, scale, row, offset)
-    elif kind == KIND_Q8:
-        block_axpys(KIND_Q8, out, at, stride, n, coefs, c_at, c_stride, scale, row, offset)
-    else:
-        block_axpys(KIND_Q4, out, at, stride, n, coefs, c_at, c_stride, scale, row, offset)
-
-
-@njit(cache=True, fastmath=True)
 def score_rows(q: np.ndarray, keys: np.ndarray, fmt: int, n_heads: int, weights: np.ndarray) -> None:
     """weights[h, s] = q_h . key s (its KV head), over stored rows keys [S, row_bytes] of `fmt`.
     Each stored block is converted once for all the query heads of its KV head."""
@@ -208,8 +186,8 @@ def score_rows(q: np.ndarray, keys: np.ndarray, fmt: int, n_heads: int, weights:
         for g in range(n_kv):
             for b in range(per_head):
                 o = (g * per_head + b) * size
-                _dots(kind, q, g * group * head_dim + b * BLOCK, head_dim, group, keys[s], o + first,
-                      weights, g * group * width + s, width, _scale(kind, keys[s], o))
+                block_dots(kind, q, g * group * head_dim + b * BLOCK, head_dim, group, keys[s], o + first,
+                           weights, g * group * width + s, width, _scale(kind, keys[s], o))
 
 
 @njit(cache=True, fastmath=True)
@@ -227,8 +205,8 @@ def mix_rows(weights: np.ndarray, values: np.ndarray, fmt: int, n_heads: int, ou
         for g in range(n_kv):
             for b in range(per_head):
                 o = (g * per_head + b) * size
-                _axpys(kind, out, g * group * head_dim + b * BLOCK, head_dim, group, weights,
-                       g * group * width + s, width, _scale(kind, values[s], o), values[s], o + first)
+                block_axpys(kind, out, g * group * head_dim + b * BLOCK, head_dim, group, weights,
+                            g * group * width + s, width, _scale(kind, values[s], o), values[s], o + first)
 
 
 @njit(cache=True, fastmath=True, parallel=True)
