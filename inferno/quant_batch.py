@@ -90,54 +90,27 @@ def _accumulate_four(x, i, k0, deq, acc):
 
 # ---------------------------------------------------------------------------------------------------
 # From the blocks, four rows at a time: Q8_0, Q4_0 and Q4_1 need no scratch. Each weight byte is
-# widened to float once for four rows and eight (Q8_0) or sixteen (4-bit) values of each row are
-# loaded into locals before the pass over the lanes, so that loop vectorizes with the row values
-# broadcast (loaded inside it, they might alias acc and LLVM leaves the loop scalar). A block's sum is
-# scaled once per lane, as the single-row kernels of inferno.quant do. On one thread, B = 8, the
-# 49,152 x 576 Q8_0 output: 17.9 ms dequantizing to a scratch, 9.8 ms from the blocks.
+# widened to float once for four rows and eight values of each row are loaded into locals before the
+# pass over the lanes, so that loop vectorizes with the row values broadcast (loaded inside it, they
+# might alias acc and LLVM leaves the loop scalar). A block's sum is scaled once per lane, as the
+# single-row kernels of inferno.quant do. On one thread, B = 8, the 49,152 x 576 Q8_0 output: 17.9 ms
+# dequantizing to a scratch, 9.8 ms from the blocks.
 
 FROM_BLOCKS = (Q8_0, Q4_0, Q4_1)
 
 
 @njit(cache=True, fastmath=True)
-def _four_q8_0(w, x, xs, i, acc):
-    """acc[i + n, lane] += (row lane of tile w) . x[i + n] for n = 0..3, from Q8_0 blocks."""
+def _four_blocks(w, x, xs, i, acc, qs):
+    """acc[i + n, lane] += (row lane of tile w) . x[i + n] for n = 0..3, from Q8_0 (qs = 0: value j is
+    the int8 at byte 2 + j, times d), Q4_0 (qs = 2: d * (q - 8)) or Q4_1 (qs = 4: d * q + m) blocks.
+    A 4-bit block's value j is the low nibble of byte qs + j, value 16 + j the high one; its offset's
+    share, m (Q4_0: -8 d) times the block's sum of x (xs), is added once per block and lane. Eight
+    values per pass: Q8_0's k .. k + 7, a 4-bit block's k .. k + 3 and k + 16 .. k + 19."""
+    q8 = qs == 0
     for b in range(w.shape[0]):
-        for j in range(0, 32, 8):
+        for j in range(0, 32 if q8 else 16, 8 if q8 else 4):
             k = 32 * b + j
-            a0, a1, a2, a3 = x[i, k], x[i, k + 1], x[i, k + 2], x[i, k + 3]
-            a4, a5, a6, a7 = x[i, k + 4], x[i, k + 5], x[i, k + 6], x[i, k + 7]
-            b0, b1, b2, b3 = x[i + 1, k], x[i + 1, k + 1], x[i + 1, k + 2], x[i + 1, k + 3]
-            b4, b5, b6, b7 = x[i + 1, k + 4], x[i + 1, k + 5], x[i + 1, k + 6], x[i + 1, k + 7]
-            c0, c1, c2, c3 = x[i + 2, k], x[i + 2, k + 1], x[i + 2, k + 2], x[i + 2, k + 3]
-            c4, c5, c6, c7 = x[i + 2, k + 4], x[i + 2, k + 5], x[i + 2, k + 6], x[i + 2, k + 7]
-            f0, f1, f2, f3 = x[i + 3, k], x[i + 3, k + 1], x[i + 3, k + 2], x[i + 3, k + 3]
-            f4, f5, f6, f7 = x[i + 3, k + 4], x[i + 3, k + 5], x[i + 3, k + 6], x[i + 3, k + 7]
-            p = 2 + j
-            for r in range(acc.shape[1]):
-                e0, e1 = np.float32(np.int8(w[b, p, r])), np.float32(np.int8(w[b, p + 1, r]))
-                e2, e3 = np.float32(np.int8(w[b, p + 2, r])), np.float32(np.int8(w[b, p + 3, r]))
-                e4, e5 = np.float32(np.int8(w[b, p + 4, r])), np.float32(np.int8(w[b, p + 5, r]))
-                e6, e7 = np.float32(np.int8(w[b, p + 6, r])), np.float32(np.int8(w[b, p + 7, r]))
-                d = _f16(w, b, 0, r)
-                acc[i, r] += d * ((a0 * e0 + a1 * e1 + a2 * e2 + a3 * e3)
-                                  + (a4 * e4 + a5 * e5 + a6 * e6 + a7 * e7))
-                acc[i + 1, r] += d * ((b0 * e0 + b1 * e1 + b2 * e2 + b3 * e3)
-                                      + (b4 * e4 + b5 * e5 + b6 * e6 + b7 * e7))
-                acc[i + 2, r] += d * ((c0 * e0 + c1 * e1 + c2 * e2 + c3 * e3)
-                                      + (c4 * e4 + c5 * e5 + c6 * e6 + c7 * e7))
-                acc[i + 3, r] += d * ((f0 * e0 + f1 * e1 + f2 * e2 + f3 * e3)
-                                      + (f4 * e4 + f5 * e5 + f6 * e6 + f7 * e7))
-
-
-@njit(cache=True, fastmath=True)
-def _four_q4(w, x, xs, i, acc, qs):
-    """The same from Q4_0 (qs = 2: d * (q - 8)) or Q4_1 (qs = 4: d * q + m) blocks: value j of a block
-    is the low nibble of byte qs + j, value 16 + j the high one; the offset's share, m (Q4_0: -8 d)
-    times the block's sum of x (xs), is added once per block and lane."""
-    for b in range(w.shape[0]):
-        for j in range(0, 16, 4):
-            k, h = 32 * b + j, 32 * b + 16 + j
+            h = k + 4 if q8 else k + 16
             a0, a1, a2, a3 = x[i, k], x[i, k + 1], x[i, k + 2], x[i, k + 3]
             a4, a5, a6, a7 = x[i, h], x[i, h + 1], x[i, h + 2], x[i, h + 3]
             b0, b1, b2, b3 = x[i + 1, k], x[i + 1, k + 1], x[i + 1, k + 2], x[i + 1, k + 3]
@@ -146,13 +119,19 @@ def _four_q4(w, x, xs, i, acc, qs):
             c4, c5, c6, c7 = x[i + 2, h], x[i + 2, h + 1], x[i + 2, h + 2], x[i + 2, h + 3]
             f0, f1, f2, f3 = x[i + 3, k], x[i + 3, k + 1], x[i + 3, k + 2], x[i + 3, k + 3]
             f4, f5, f6, f7 = x[i + 3, h], x[i + 3, h + 1], x[i + 3, h + 2], x[i + 3, h + 3]
-            p = qs + j
+            p = 2 + j if q8 else qs + j
             for r in range(acc.shape[1]):
-                v0, v1, v2, v3 = w[b, p, r], w[b, p + 1, r], w[b, p + 2, r], w[b, p + 3, r]
-                e0, e1 = np.float32(_lo(v0)), np.float32(_lo(v1))
-                e2, e3 = np.float32(_lo(v2)), np.float32(_lo(v3))
-                e4, e5 = np.float32(_hi(v0)), np.float32(_hi(v1))
-                e6, e7 = np.float32(_hi(v2)), np.float32(_hi(v3))
+                if q8:
+                    e0, e1 = np.float32(np.int8(w[b, p, r])), np.float32(np.int8(w[b, p + 1, r]))
+                    e2, e3 = np.float32(np.int8(w[b, p + 2, r])), np.float32(np.int8(w[b, p + 3, r]))
+                    e4, e5 = np.float32(np.int8(w[b, p + 4, r])), np.float32(np.int8(w[b, p + 5, r]))
+                    e6, e7 = np.float32(np.int8(w[b, p + 6, r])), np.float32(np.int8(w[b, p + 7, r]))
+                else:
+                    v0, v1, v2, v3 = w[b, p, r], w[b, p + 1, r], w[b, p + 2, r], w[b, p + 3, r]
+                    e0, e1 = np.float32(_lo(v0)), np.float32(_lo(v1))
+                    e2, e3 = np.float32(_lo(v2)), np.float32(_lo(v3))
+                    e4, e5 = np.float32(_hi(v0)), np.float32(_hi(v1))
+                    e6, e7 = np.float32(_hi(v2)), np.float32(_hi(v3))
                 d = _f16(w, b, 0, r)
                 acc[i, r] += d * ((a0 * e0 + a1 * e1 + a2 * e2 + a3 * e3)
                                   + (a4 * e4 + a5 * e5 + a6 * e6 + a7 * e7))
@@ -162,11 +141,12 @@ def _four_q4(w, x, xs, i, acc, qs):
                                       + (c4 * e4 + c5 * e5 + c6 * e6 + c7 * e7))
                 acc[i + 3, r] += d * ((f0 * e0 + f1 * e1 + f2 * e2 + f3 * e3)
                                       + (f4 * e4 + f5 * e5 + f6 * e6 + f7 * e7))
-        for r in range(acc.shape[1]):
-            d = _f16(w, b, 0, r)
-            m = _f16(w, b, 2, r) if qs == 4 else np.float32(-8) * d
-            for n in range(4):
-                acc[i + n, r] += m * xs[i + n, b]
+        if not q8:
+            for r in range(acc.shape[1]):
+                d = _f16(w, b, 0, r)
+                m = _f16(w, b, 2, r) if qs == 4 else np.float32(-8) * d
+                for n in range(4):
+                    acc[i + n, r] += m * xs[i + n, b]
 
 
 def _four_rows(kind, w, x, xs, i, acc):
@@ -176,10 +156,8 @@ def _four_rows(kind, w, x, xs, i, acc):
 
 @overload(_four_rows, prefer_literal=True)
 def _four_rows_impl(kind, w, x, xs, i, acc):
-    if kind.literal_value == Q8_0:
-        return lambda kind, w, x, xs, i, acc: _four_q8_0(w, x, xs, i, acc)
-    qs = 4 if kind.literal_value == Q4_1 else 2
-    return lambda kind, w, x, xs, i, acc: _four_q4(w, x, xs, i, acc, qs)
+    qs = {Q8_0: 0, Q4_0: 2, Q4_1: 4}[kind.literal_value]
+    return lambda kind, w, x, xs, i, acc: _four_blocks(w, x, xs, i, acc, qs)
 
 
 @functools.cache

@@ -153,11 +153,17 @@ def decode_rows(raw: np.ndarray, fmt: int, out: np.ndarray) -> None:
 
 
 @njit(cache=True)
-def _layout(fmt: int) -> tuple[int, int]:
-    """The vector kind of a format's blocks and their bytes (f16 rows: "blocks" of 32 halves, no scale)."""
+def _layout(fmt: int, n_heads: int, width: int, row_bytes: int) -> tuple[int, int, int, int, int, int]:
+    """How stored rows of `fmt` ([row_bytes] each) line up with n_heads query heads of `width` values
+    in all: the vector kind of the blocks, their bytes (f16 rows: "blocks" of 32 halves, no scale), the
+    bytes before a block's values (its scale), head_dim, blocks per head and query heads per KV head."""
     if fmt == FMT_F16:
-        return KIND_F16, 2 * BLOCK
-    return (KIND_Q8 if fmt == FMT_Q8_0 else KIND_Q4), block_bytes(fmt)
+        kind, size, first = KIND_F16, 2 * BLOCK, 0
+    else:
+        kind, size, first = (KIND_Q8 if fmt == FMT_Q8_0 else KIND_Q4), block_bytes(fmt), 2
+    head_dim = width // n_heads
+    per_head = head_dim // BLOCK
+    return kind, size, first, head_dim, per_head, n_heads // (row_bytes // size // per_head)
 
 
 @njit(cache=True)
@@ -172,13 +178,8 @@ def _scale(kind: int, row: np.ndarray, o: int) -> float:
 def score_rows(q: np.ndarray, keys: np.ndarray, fmt: int, n_heads: int, weights: np.ndarray) -> None:
     """weights[h, s] = q_h . key s (its KV head), over stored rows keys [S, row_bytes] of `fmt`.
     Each stored block is converted once for all the query heads of its KV head."""
-    kind, size = _layout(fmt)
-    head_dim = q.shape[0] // n_heads
-    per_head = head_dim // BLOCK
-    n_kv = keys.shape[1] // size // per_head
-    group = n_heads // n_kv
-    width = weights.shape[1]
-    first = 0 if kind == KIND_F16 else 2  # bytes before a block's values: its scale
+    kind, size, first, head_dim, per_head, group = _layout(fmt, n_heads, q.shape[0], keys.shape[1])
+    n_kv, width = n_heads // group, weights.shape[1]
     for h in range(n_heads):
         for s in range(keys.shape[0]):
             weights[h, s] = 0.0
@@ -194,13 +195,8 @@ def score_rows(q: np.ndarray, keys: np.ndarray, fmt: int, n_heads: int, weights:
 def mix_rows(weights: np.ndarray, values: np.ndarray, fmt: int, n_heads: int, out: np.ndarray) -> None:
     """out[h] += sum_s weights[h, s] * value s (its KV head), over stored rows values [S, row_bytes].
     Each stored block is converted once for all the query heads of its KV head."""
-    kind, size = _layout(fmt)
-    head_dim = out.shape[0] // n_heads
-    per_head = head_dim // BLOCK
-    n_kv = values.shape[1] // size // per_head
-    group = n_heads // n_kv
-    width = weights.shape[1]
-    first = 0 if kind == KIND_F16 else 2
+    kind, size, first, head_dim, per_head, group = _layout(fmt, n_heads, out.shape[0], values.shape[1])
+    n_kv, width = n_heads // group, weights.shape[1]
     for s in range(values.shape[0]):
         for g in range(n_kv):
             for b in range(per_head):
