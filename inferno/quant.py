@@ -1,15 +1,19 @@
 """Weight matrices kept in their GGUF block type, with Numba kernels that compute straight from the blocks.
 
 Layout. At load time a matrix's blocks are regrouped into tiles of `lanes` rows: uint8[tile, block,
-byte, lane], i.e. byte p of block b of row `tile * lanes + lane` sits at [tile, b, p, lane]. The
-bytes themselves are unchanged, so memory stays the size of the file's tensor. The same byte of
-`lanes` consecutive rows is contiguous, so the kernels loop over lanes (rows) innermost and LLVM turns
-that into plain SIMD loads with no per-block horizontal sums.
+byte, lane], i.e. byte p of block b of row `tile * lanes + lane` sits at [tile, b, p, lane]. The same
+byte of `lanes` consecutive rows is contiguous, so the kernels loop over lanes (rows) innermost and
+LLVM turns that into plain SIMD loads with no per-block horizontal sums. Q4_0 and Q4_1 blocks keep
+their scales that way, but their 16 nibble bytes go by quads: the block's bytes from `qs` on are
+uint8[quad k, lane, 4], bytes 4k..4k+3 of each row side by side, the shape of the CPU's byte dot
+product (see inferno.nibble_dots). Only the order changes, so memory stays the size of the file's
+tensor.
 
 Arithmetic. Dequantization repeats gguf-py's float32 operations in the same order (no fast-math, so no
-fused multiply-adds) and is bit-identical to `gguf.quants.dequantize`. The matrix-vector kernels use
-float32 activations and regroup the sums: for Q4_1, dot(x, d*q + m) over a block is d*sum(x*q) +
-m*sum(x), with the block sums of x computed once per call.
+fused multiply-adds) and is bit-identical to `gguf.quants.dequantize`. The matrix-vector kernels
+regroup the sums: for Q4_1, dot(x, d*q + m) over a block is d*sum(x*q) + m*sum(x), with the block
+sums of x computed once per call; the 4-bit types take sum(x*q) in integers, from x split into int8
+parts once per call (inferno.nibble_dots), the others in float32.
 
 Compilation. Kernels are built per GGML type on first use (see `_kernels`) and cached on disk by Numba.
 """
@@ -32,6 +36,8 @@ from numba.extending import intrinsic, overload
 from inferno.errors import InfernoError
 from inferno.jit import njit
 from inferno.kernels import float_from_bits
+from inferno.nibble_dots import LANES as NIBBLE_LANES
+from inferno.nibble_dots import PARTS, nibble_sums, split_activations
 
 TILE_ROWS = 32  # lanes per tile: full SIMD loops, yet enough tiles to share small matrices between threads
 WIDE_TILE_ROWS = 64  # for 4-bit blocks, whose matvec measured 1.2x faster on 64 lanes (Q8_0: 1.4x slower)
@@ -49,6 +55,7 @@ F32, F16, BF16 = int(QType.F32), int(QType.F16), int(QType.BF16)
 Q8_0, Q4_0, Q4_1 = int(QType.Q8_0), int(QType.Q4_0), int(QType.Q4_1)
 Q5_0, Q5_1 = int(QType.Q5_0), int(QType.Q5_1)
 Q4_K, Q5_K, Q6_K = int(QType.Q4_K), int(QType.Q5_K), int(QType.Q6_K)
+NIBBLES_AT = {Q4_0: 2, Q4_1: 4}  # types with nibble quads (see Layout), and the byte where they start
 
 _matmul_scratch = np.empty(0, np.float32)  # grown on demand, shared by all matrices
 
@@ -232,6 +239,7 @@ def _read_tiles(tensor: gguf.ReaderTensor, rows: int, tiles: np.ndarray) -> None
     in the map would stay resident next to the repacked copy, doubling the model's memory."""
     ntiles, nblocks, type_size, lanes = tiles.shape
     row_bytes = nblocks * type_size
+    qs = NIBBLES_AT.get(int(tensor.tensor_type), type_size)
     step = max(1, LOAD_CHUNK_BYTES // (lanes * row_bytes))  # tiles per read
     with _open_tensor_bytes(tensor) as f:
         for t in range(0, ntiles, step):
@@ -240,7 +248,11 @@ def _read_tiles(tensor: gguf.ReaderTensor, rows: int, tiles: np.ndarray) -> None
             chunk = np.zeros(n * lanes * row_bytes, np.uint8)
             if f.readinto(memoryview(chunk)[:want]) != want:
                 raise InfernoError(f"tensor {tensor.name}: file ends inside the tensor's data")
-            tiles[t : t + n] = chunk.reshape(n, lanes, nblocks, type_size).transpose(0, 2, 3, 1)
+            blocks = chunk.reshape(n, lanes, nblocks, type_size).transpose(0, 2, 3, 1)
+            tiles[t : t + n, :, :qs] = blocks[:, :, :qs]
+            if qs < type_size:  # nibble bytes [16, lane] -> quads [4, lane, 4]
+                quads = blocks[:, :, qs:].reshape(n, nblocks, 4, 4, lanes).transpose(0, 1, 2, 4, 3)
+                tiles[t : t + n, :, qs:] = quads.reshape(n, nblocks, 16, lanes)
 
 
 def _open_tensor_bytes(tensor: gguf.ReaderTensor) -> BinaryIO:
@@ -346,23 +358,36 @@ def _deq_q8_0(w, r0, r1, out):
 
 
 @njit(cache=True)
-def _deq_q4_0(w, r0, r1, out):
+def _deq_q4(w, r0, r1, out, qs):
+    """Q4_0 (nibbles at qs = 2: d * (q - 8)) or Q4_1 (qs = 4: d * q + m), from the quads: quad k of
+    lane q * n + c (n = lanes / 4 words per byte row) is the 32-bit word [b, qs + 4k + q, c]."""
+    words = w.view(np.uint32)
+    n = words.shape[2]
     for b in range(w.shape[0]):
-        for j in range(16):
-            for r in range(r0, r1):
-                d, v = _f16(w, b, 0, r), w[b, 2 + j, r]
-                out[32 * b + j, r - r0] = d * np.float32(_lo(v) - 8)
-                out[32 * b + 16 + j, r - r0] = d * np.float32(_hi(v) - 8)
+        for k in range(4):
+            for q in range(4):
+                for c in range(max(0, r0 - q * n), min(n, r1 - q * n)):
+                    r = q * n + c
+                    d, word = _f16(w, b, 0, r), words[b, qs + 4 * k + q, c]
+                    for i in range(4):
+                        v = np.int32(word >> np.uint32(8 * i)) & 255
+                        if qs == 4:
+                            m = _f16(w, b, 2, r)
+                            out[32 * b + 4 * k + i, r - r0] = d * np.float32(_lo(v)) + m
+                            out[32 * b + 16 + 4 * k + i, r - r0] = d * np.float32(_hi(v)) + m
+                        else:
+                            out[32 * b + 4 * k + i, r - r0] = d * np.float32(_lo(v) - 8)
+                            out[32 * b + 16 + 4 * k + i, r - r0] = d * np.float32(_hi(v) - 8)
+
+
+@njit(cache=True)
+def _deq_q4_0(w, r0, r1, out):
+    _deq_q4(w, r0, r1, out, 2)
 
 
 @njit(cache=True)
 def _deq_q4_1(w, r0, r1, out):
-    for b in range(w.shape[0]):
-        for j in range(16):
-            for r in range(r0, r1):
-                d, m, v = _f16(w, b, 0, r), _f16(w, b, 2, r), w[b, 4 + j, r]
-                out[32 * b + j, r - r0] = d * np.float32(_lo(v)) + m
-                out[32 * b + 16 + j, r - r0] = d * np.float32(_hi(v)) + m
+    _deq_q4(w, r0, r1, out, 4)
 
 
 @njit(cache=True)
@@ -468,28 +493,6 @@ def _dot_q8_0(w, x, xs, acc, s):
 
 
 @njit(cache=True, fastmath=True)
-def _dot_q4_0(w, x, xs, acc, s):
-    for b in range(w.shape[0]):
-        for r in range(acc.size):
-            part = np.float32(0)
-            for j in range(16):
-                v = w[b, 2 + j, r]
-                part += x[32 * b + j] * np.float32(_lo(v)) + x[32 * b + 16 + j] * np.float32(_hi(v))
-            acc[r] += _f16(w, b, 0, r) * (part - 8 * xs[b])
-
-
-@njit(cache=True, fastmath=True)
-def _dot_q4_1(w, x, xs, acc, s):
-    for b in range(w.shape[0]):
-        for r in range(acc.size):
-            part = np.float32(0)
-            for j in range(16):
-                v = w[b, 4 + j, r]
-                part += x[32 * b + j] * np.float32(_lo(v)) + x[32 * b + 16 + j] * np.float32(_hi(v))
-            acc[r] += _f16(w, b, 0, r) * part + _f16(w, b, 2, r) * xs[b]
-
-
-@njit(cache=True, fastmath=True)
 def _dot_q5_0(w, x, xs, acc, s):
     for b in range(w.shape[0]):
         for r in range(acc.size):
@@ -548,8 +551,23 @@ def _dot_q6_k(w, x, xs, acc, s):
                     acc[r] += _f16(w, b, 208, r) * total
 
 
-_DOT = {Q8_0: _dot_q8_0, Q4_0: _dot_q4_0, Q4_1: _dot_q4_1, Q5_0: _dot_q5_0, Q4_K: _dot_q4_k, Q6_K: _dot_q6_k}
-assert set(_DOT) == {int(t) for t in FUSED}
+@njit(cache=True, fastmath=True)
+def _dot_nibbles(w, parts, scale, xs, acc, sums, qs):
+    """acc[lane] += row lane of tile w (Q4_0: qs = 2, Q4_1: qs = 4) . x, from x's int8 parts and each
+    block's scale and sum (inferno.nibble_dots), 16 lanes per integer call."""
+    lanes = acc.size
+    for b in range(w.shape[0]):
+        first = (b * w.shape[1] + qs) * lanes
+        for g in range(0, lanes, NIBBLE_LANES):
+            nibble_sums(w, first + 4 * g, 4 * lanes, parts, 32 * b, sums, g)
+        for r in range(lanes):
+            d = _f16(w, b, 0, r)
+            m = _f16(w, b, 2, r) if qs == 4 else np.float32(-8) * d
+            acc[r] += d * (scale[b] * sums[r]) + m * xs[b]
+
+
+_DOT = {Q8_0: _dot_q8_0, Q5_0: _dot_q5_0, Q4_K: _dot_q4_k, Q6_K: _dot_q6_k}
+assert set(_DOT) | set(NIBBLES_AT) == {int(t) for t in FUSED}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -570,24 +588,35 @@ def _dequantize_tile_impl(kind, w, r0, r1, out):
     return lambda kind, w, r0, r1, out: deq(w, r0, r1, out)
 
 
-def _tile_dot(kind, w, x, xs, acc, s, scratch):
-    """acc = tile w @ x (dispatch stub, resolved by the overload below)."""
+def _tile_dot(kind, w, x, xq, acc, work):
+    """acc = tile w @ x (dispatch stub, resolved by the overload below). xq: what every tile uses of x
+    (its block sums; for the 4-bit types its int8 parts and block scales); work: one thread's
+    scratch (float32[4, lanes], float32[lanes], and for unfused types float32[cols, lanes])."""
     raise NotImplementedError
 
 
 @overload(_tile_dot, prefer_literal=True)
-def _tile_dot_impl(kind, w, x, xs, acc, s, scratch):
+def _tile_dot_impl(kind, w, x, xq, acc, work):
+    if kind.literal_value in NIBBLES_AT:
+        qs = NIBBLES_AT[kind.literal_value]
+
+        def integer(kind, w, x, xq, acc, work):
+            _zero(acc)
+            _dot_nibbles(w, xq[1], xq[2], xq[0], acc, work[1], qs)
+
+        return integer
     if kind.literal_value in _DOT:
         dot = _DOT[kind.literal_value]
 
-        def fused(kind, w, x, xs, acc, s, scratch):
+        def fused(kind, w, x, xq, acc, work):
             _zero(acc)
-            dot(w, x, xs, acc, s)
+            dot(w, x, xq[0], acc, work[0])
 
         return fused
     deq = _DEQUANTIZE[kind.literal_value]
 
-    def dequantized(kind, w, x, xs, acc, s, scratch):
+    def dequantized(kind, w, x, xq, acc, work):
+        scratch = work[2]
         deq(w, 0, acc.size, scratch)
         _zero(acc)
         for c in range(x.size):
@@ -605,23 +634,28 @@ class _Kernels(NamedTuple):
 
 @functools.cache
 def _kernels(kind: int) -> _Kernels:
-    fused = kind in _DOT
+    fused, integer = kind in _DOT or kind in NIBBLES_AT, kind in NIBBLES_AT
 
     @njit(cache=True, parallel=True, fastmath=True)
     def matvec(tiles, x, out, nchunks):
         ntiles, lanes = tiles.shape[0], tiles.shape[3]
-        nblocks = x.size // 32  # the float types' rows need not be whole blocks; they ignore xs
+        nblocks = x.size // 32  # the float types' rows need not be whole blocks; they ignore xq
         xs = np.zeros(nblocks, np.float32)
-        for b in range(nblocks):
-            for j in range(32):
-                xs[b] += x[32 * b + j]
+        parts = np.empty((PARTS, x.size if integer else 0), np.int8)
+        scale = np.empty(nblocks if integer else 0, np.float32)
+        if integer:
+            split_activations(x, parts, scale, xs)
+        else:
+            for b in range(nblocks):
+                for j in range(32):
+                    xs[b] += x[32 * b + j]
         nchunks = min(ntiles, nchunks)
         for c in prange(nchunks):  # one run of tiles per thread, so scratch is allocated once per thread
             acc = np.empty(lanes, np.float32)
-            s = np.empty((4, lanes), np.float32)
-            scratch = np.empty((0 if fused else x.size, lanes), np.float32)
+            work = (np.empty((4, lanes), np.float32), np.empty(lanes, np.float32),
+                    np.empty((0 if fused else x.size, lanes), np.float32))
             for t in range(c * ntiles // nchunks, (c + 1) * ntiles // nchunks):
-                _tile_dot(kind, tiles[t], x, xs, acc, s, scratch)
+                _tile_dot(kind, tiles[t], x, (xs, parts, scale), acc, work)
                 for r in range(min(lanes, out.size - t * lanes)):
                     out[t * lanes + r] = acc[r]
 

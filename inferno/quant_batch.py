@@ -1,15 +1,18 @@
 """A few activation rows against a quantized weight, reading the weight once for all of them: the
 matrix product of batched decoding (B sequences, one token each).
 
-One matvec per row reads every weight B times; BLAS first dequantizes the whole weight to float32 in
-memory. Here each thread takes a run of tiles (the layout of `inferno.quant`) and reads each weight
-byte once per step whatever B is, four rows at a time: Q8_0, Q4_0 and Q4_1 straight from the blocks
-(FROM_BLOCKS), the other types through a scratch in L1 holding a few dequantized blocks of one tile.
+One matvec per row reads every weight B times from memory; BLAS first dequantizes the whole weight to
+float32. Here each thread takes a run of tiles (the layout of `inferno.quant`) and reads each weight
+byte from memory once per step whatever B is: Q4_0 and Q4_1 through the integer dots of the
+single-row kernel, one row after another while the tile is in cache (so every row's result is
+bit-identical to its matvec); Q8_0 straight from the blocks four rows at a time; the other types
+through a scratch in L1 holding a few dequantized blocks of one tile.
 
 BLAS on dequantized chunks (`QuantizedMatrix.matmul`) does not pay below 16 rows: on one thread, at
 B = 16 the scratch kernel took 1.1 ms for a 3072 x 576 Q4_1 weight (BLAS: 1.5 ms) and 27 ms for the
 49152 x 576 Q8_0 output (BLAS: 28 ms); at B = 8, 0.68 and 17 ms (BLAS: 1.4 and 27 ms), and from the
-blocks 0.53 and 9.7 ms."""
+blocks 0.53 and 9.7 ms. Over SmolLM2's 30 layers on two threads, B = 8, the integer dots took
+13.9 ms where the four-row float kernel took 18.2 (B = 2: 5.4 and 10.7 ms)."""
 
 from __future__ import annotations
 
@@ -19,10 +22,10 @@ from collections.abc import Callable
 import numba
 import numpy as np
 from numba import prange
-from numba.extending import overload
 
 from inferno.jit import njit
-from inferno.quant import Q4_0, Q4_1, Q8_0, QuantizedMatrix, _dequantize_tile, _f16, _hi, _lo
+from inferno.nibble_dots import PARTS, split_activations
+from inferno.quant import NIBBLES_AT, Q8_0, QuantizedMatrix, _dequantize_tile, _dot_nibbles, _f16, _zero
 
 GROUP_VALUES = 32  # values of a row dequantized per step: one block of the 32-value types
 
@@ -36,7 +39,7 @@ def batch_matmul(matrix: QuantizedMatrix, x: np.ndarray) -> np.ndarray:
     if x.shape[0] == 1:
         return matrix.matmul(x)
     n_rows = x.shape[0]
-    if int(matrix.qtype) in FROM_BLOCKS and n_rows % 4:  # whole groups of four rows; zero rows pad
+    if int(matrix.qtype) == Q8_0 and n_rows % 4:  # whole groups of four rows; zero rows pad
         x = np.concatenate([x, np.zeros((4 - n_rows % 4, x.shape[1]), np.float32)])
     out = np.empty((x.shape[0], matrix.rows), np.float32)
     _batch_kernel(int(matrix.qtype))(matrix._tiles, x, out, numba.config.NUMBA_NUM_THREADS)
@@ -89,49 +92,35 @@ def _accumulate_four(x, i, k0, deq, acc):
 
 
 # ---------------------------------------------------------------------------------------------------
-# From the blocks, four rows at a time: Q8_0, Q4_0 and Q4_1 need no scratch. Each weight byte is
-# widened to float once for four rows and eight values of each row are loaded into locals before the
-# pass over the lanes, so that loop vectorizes with the row values broadcast (loaded inside it, they
-# might alias acc and LLVM leaves the loop scalar). A block's sum is scaled once per lane, as the
-# single-row kernels of inferno.quant do. On one thread, B = 8, the 49,152 x 576 Q8_0 output: 17.9 ms
-# dequantizing to a scratch, 9.8 ms from the blocks.
-
-FROM_BLOCKS = (Q8_0, Q4_0, Q4_1)
+# Q8_0 from the blocks, four rows at a time, no scratch. Each weight byte is widened to float once for
+# four rows and eight values of each row are loaded into locals before the pass over the lanes, so
+# that loop vectorizes with the row values broadcast (loaded inside it, they might alias acc and LLVM
+# leaves the loop scalar). A block's sum is scaled once per lane, as the single-row kernels of
+# inferno.quant do. On one thread, B = 8, the 49,152 x 576 Q8_0 output: 17.9 ms dequantizing to a
+# scratch, 9.8 ms from the blocks.
 
 
 @njit(cache=True, fastmath=True)
-def _four_blocks(w, x, xs, i, acc, qs):
-    """acc[i + n, lane] += (row lane of tile w) . x[i + n] for n = 0..3, from Q8_0 (qs = 0: value j is
-    the int8 at byte 2 + j, times d), Q4_0 (qs = 2: d * (q - 8)) or Q4_1 (qs = 4: d * q + m) blocks.
-    A 4-bit block's value j is the low nibble of byte qs + j, value 16 + j the high one; its offset's
-    share, m (Q4_0: -8 d) times the block's sum of x (xs), is added once per block and lane. Eight
-    values per pass: Q8_0's k .. k + 7, a 4-bit block's k .. k + 3 and k + 16 .. k + 19."""
-    q8 = qs == 0
+def _four_rows_q8_0(w, x, i, acc):
+    """acc[i + n, lane] += (row lane of tile w) . x[i + n] for n = 0..3: value j of a block is the
+    int8 at byte 2 + j, times the block's d. Eight values per pass."""
     for b in range(w.shape[0]):
-        for j in range(0, 32 if q8 else 16, 8 if q8 else 4):
+        for j in range(0, 32, 8):
             k = 32 * b + j
-            h = k + 4 if q8 else k + 16
             a0, a1, a2, a3 = x[i, k], x[i, k + 1], x[i, k + 2], x[i, k + 3]
-            a4, a5, a6, a7 = x[i, h], x[i, h + 1], x[i, h + 2], x[i, h + 3]
+            a4, a5, a6, a7 = x[i, k + 4], x[i, k + 5], x[i, k + 6], x[i, k + 7]
             b0, b1, b2, b3 = x[i + 1, k], x[i + 1, k + 1], x[i + 1, k + 2], x[i + 1, k + 3]
-            b4, b5, b6, b7 = x[i + 1, h], x[i + 1, h + 1], x[i + 1, h + 2], x[i + 1, h + 3]
+            b4, b5, b6, b7 = x[i + 1, k + 4], x[i + 1, k + 5], x[i + 1, k + 6], x[i + 1, k + 7]
             c0, c1, c2, c3 = x[i + 2, k], x[i + 2, k + 1], x[i + 2, k + 2], x[i + 2, k + 3]
-            c4, c5, c6, c7 = x[i + 2, h], x[i + 2, h + 1], x[i + 2, h + 2], x[i + 2, h + 3]
+            c4, c5, c6, c7 = x[i + 2, k + 4], x[i + 2, k + 5], x[i + 2, k + 6], x[i + 2, k + 7]
             f0, f1, f2, f3 = x[i + 3, k], x[i + 3, k + 1], x[i + 3, k + 2], x[i + 3, k + 3]
-            f4, f5, f6, f7 = x[i + 3, h], x[i + 3, h + 1], x[i + 3, h + 2], x[i + 3, h + 3]
-            p = 2 + j if q8 else qs + j
+            f4, f5, f6, f7 = x[i + 3, k + 4], x[i + 3, k + 5], x[i + 3, k + 6], x[i + 3, k + 7]
+            p = 2 + j
             for r in range(acc.shape[1]):
-                if q8:
-                    e0, e1 = np.float32(np.int8(w[b, p, r])), np.float32(np.int8(w[b, p + 1, r]))
-                    e2, e3 = np.float32(np.int8(w[b, p + 2, r])), np.float32(np.int8(w[b, p + 3, r]))
-                    e4, e5 = np.float32(np.int8(w[b, p + 4, r])), np.float32(np.int8(w[b, p + 5, r]))
-                    e6, e7 = np.float32(np.int8(w[b, p + 6, r])), np.float32(np.int8(w[b, p + 7, r]))
-                else:
-                    v0, v1, v2, v3 = w[b, p, r], w[b, p + 1, r], w[b, p + 2, r], w[b, p + 3, r]
-                    e0, e1 = np.float32(_lo(v0)), np.float32(_lo(v1))
-                    e2, e3 = np.float32(_lo(v2)), np.float32(_lo(v3))
-                    e4, e5 = np.float32(_hi(v0)), np.float32(_hi(v1))
-                    e6, e7 = np.float32(_hi(v2)), np.float32(_hi(v3))
+                e0, e1 = np.float32(np.int8(w[b, p, r])), np.float32(np.int8(w[b, p + 1, r]))
+                e2, e3 = np.float32(np.int8(w[b, p + 2, r])), np.float32(np.int8(w[b, p + 3, r]))
+                e4, e5 = np.float32(np.int8(w[b, p + 4, r])), np.float32(np.int8(w[b, p + 5, r]))
+                e6, e7 = np.float32(np.int8(w[b, p + 6, r])), np.float32(np.int8(w[b, p + 7, r]))
                 d = _f16(w, b, 0, r)
                 acc[i, r] += d * ((a0 * e0 + a1 * e1 + a2 * e2 + a3 * e3)
                                   + (a4 * e4 + a5 * e5 + a6 * e6 + a7 * e7))
@@ -141,29 +130,14 @@ def _four_blocks(w, x, xs, i, acc, qs):
                                       + (c4 * e4 + c5 * e5 + c6 * e6 + c7 * e7))
                 acc[i + 3, r] += d * ((f0 * e0 + f1 * e1 + f2 * e2 + f3 * e3)
                                       + (f4 * e4 + f5 * e5 + f6 * e6 + f7 * e7))
-        if not q8:
-            for r in range(acc.shape[1]):
-                d = _f16(w, b, 0, r)
-                m = _f16(w, b, 2, r) if qs == 4 else np.float32(-8) * d
-                for n in range(4):
-                    acc[i + n, r] += m * xs[i + n, b]
-
-
-def _four_rows(kind, w, x, xs, i, acc):
-    """Four rows of x through tile w from its blocks (dispatch stub, resolved by the overload)."""
-    raise NotImplementedError
-
-
-@overload(_four_rows, prefer_literal=True)
-def _four_rows_impl(kind, w, x, xs, i, acc):
-    qs = {Q8_0: 0, Q4_0: 2, Q4_1: 4}[kind.literal_value]
-    return lambda kind, w, x, xs, i, acc: _four_blocks(w, x, xs, i, acc, qs)
 
 
 @functools.cache
 def _batch_kernel(kind: int) -> Callable:
-    if kind in FROM_BLOCKS:
-        return _from_blocks_kernel(kind)
+    if kind == Q8_0:
+        return _q8_0_kernel()
+    if kind in NIBBLES_AT:
+        return _nibbles_kernel(kind)
 
     @njit(cache=True, parallel=True, fastmath=True)
     def matmul_rows(tiles, x, out, nchunks):
@@ -194,26 +168,47 @@ def _batch_kernel(kind: int) -> Callable:
 
 
 @functools.cache
-def _from_blocks_kernel(kind: int) -> Callable:
+def _q8_0_kernel() -> Callable:
     @njit(cache=True, parallel=True, fastmath=True)
     def matmul_rows(tiles, x, out, nchunks):
-        """x [rows, a multiple of 4] through the tiles' blocks."""
-        ntiles, nblocks, _, lanes = tiles.shape
-        n_rows = x.shape[0]
-        xs = np.zeros((n_rows, nblocks), np.float32)
-        for i in range(n_rows):
-            for b in range(nblocks):
-                for j in range(32):
-                    xs[i, b] += x[i, 32 * b + j]
+        """x [rows, a multiple of 4] through Q8_0 tiles' blocks."""
+        ntiles, lanes, n_rows = tiles.shape[0], tiles.shape[3], x.shape[0]
         nchunks = min(ntiles, nchunks)
         for c in prange(nchunks):  # one run of tiles per thread
             acc = np.empty((n_rows, lanes), np.float32)
             for t in range(c * ntiles // nchunks, (c + 1) * ntiles // nchunks):
                 acc[:] = 0.0
                 for i in range(0, n_rows, 4):
-                    _four_rows(kind, tiles[t], x, xs, i, acc)
+                    _four_rows_q8_0(tiles[t], x, i, acc)
                 for i in range(n_rows):
                     for r in range(min(lanes, out.shape[1] - t * lanes)):
                         out[i, t * lanes + r] = acc[i, r]
+
+    return matmul_rows
+
+
+@functools.cache
+def _nibbles_kernel(kind: int) -> Callable:
+    qs = NIBBLES_AT[kind]
+
+    @njit(cache=True, parallel=True, fastmath=True)
+    def matmul_rows(tiles, x, out, nchunks):
+        """Q4_0 or Q4_1: each row of x split into int8 parts once, then, tile by tile, the integer dots
+        of inferno.quant for one row after another (the tile stays in cache after the first row)."""
+        ntiles, nblocks, lanes = tiles.shape[0], tiles.shape[1], tiles.shape[3]
+        n_rows, cols = x.shape
+        parts = np.empty((n_rows, PARTS, cols), np.int8)
+        scale, xs = np.empty((n_rows, nblocks), np.float32), np.empty((n_rows, nblocks), np.float32)
+        for i in range(n_rows):
+            split_activations(x[i], parts[i], scale[i], xs[i])
+        nchunks = min(ntiles, nchunks)
+        for c in prange(nchunks):  # one run of tiles per thread
+            acc, sums = np.empty(lanes, np.float32), np.empty(lanes, np.float32)
+            for t in range(c * ntiles // nchunks, (c + 1) * ntiles // nchunks):
+                for i in range(n_rows):
+                    _zero(acc)
+                    _dot_nibbles(tiles[t], parts[i], scale[i], xs[i], acc, sums, qs)
+                    for r in range(min(lanes, out.shape[1] - t * lanes)):
+                        out[i, t * lanes + r] = acc[r]
 
     return matmul_rows

@@ -1,0 +1,158 @@
+"""Dot products of 4-bit weights with float32 activations in integer arithmetic, exact to float32's
+own rounding: the inner loop of the Q4_0 and Q4_1 matrix-vector products.
+
+Why integers. In float, every nibble is widened and converted before its multiply-add; the CPU's byte
+dot product (AVX512-VNNI's vpdpbusd: 64 unsigned bytes times 64 signed bytes, each group of four
+products added into one of 16 int32 lanes) does the work of 64 of them in one instruction.
+
+The activations. Each block of 32 values of x is written as s * (a0 + a1 / 2^7 + a2 / 2^14 + a3 / 2^21),
+with int8 parts a_i and s = max|x| / 127 (`split_activations`): a0 is x / s rounded, a1 the rounded
+remainder times 2^7, and so on. What is left is s / 2^22 = max|x| * 2^-29 per value at most, plus
+the float32 rounding of x / s itself (2^-24 of each value): float32's own precision. Three parts
+(max|x| * 2^-22) were not enough: a block with one large value and many small ones left the small
+ones a relative error near 1e-3, and logits moved by 2e-4 against the float path. A block whose
+largest value is under 2^-100 (far from anything a layer's activations hold; its scale would lose
+bits) splits into zeros: its dot with the nibbles counts as 0, off by less than 2^-90 times the
+block's weights.
+
+Per block and row, S_i = sum(q * a_i) over the 32 nibbles q are exact int32 sums (|S_i| <= 32 * 15
+* 127 = 60,960), and so are S0 * 2^7 + S1 and S2 * 2^7 + S3 (under 2^23, exact in float32 too): the
+block's dot is s / 2^21 times (S0 * 2^7 + S1) * 2^14 + (S2 * 2^7 + S3), rounded once.
+
+The weights. vpdpbusd takes four consecutive bytes of a row from one 32-bit lane, so tiles hold each
+row's 16 nibble bytes as four 4-byte words: the quads of `inferno.quant`'s Layout. Byte i of quad k
+holds values 4k + i (low nibble) and 16 + 4k + i (high nibble).
+
+CPUs without AVX512-VNNI get the same sums written as widening multiplies in plain LLVM IR, which
+every target compiles (slower, same integers). Which one is built is decided from the CPU features
+Numba compiles for, the same ones its kernel cache is keyed by.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core.codegen import get_host_cpu_features
+from numba.extending import intrinsic
+
+from inferno.jit import njit  # first: the target is set before any kernel is defined
+
+LANES = 16  # rows summed per call: the int32 lanes of one 512-bit register
+PARTS = 4  # int8 parts per activation
+PART_BITS = 7  # each part after the first weighs 2^-7 of the one before
+TINY = np.float32(2.0**-100)  # blocks whose largest value is smaller split into zeros (see the docstring)
+_BYTE, _SHORT, _INT = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+
+
+def has_vnni() -> bool:
+    """Whether the kernels are compiled for a CPU with AVX512-VNNI."""
+    return "+avx512vnni" in (numba.config.CPU_FEATURES or get_host_cpu_features()).split(",")
+
+
+@njit(cache=True, fastmath=True)
+def split_activations(x, parts, scale, sums):
+    """x float32[cols] (whole blocks of 32) -> parts int8[PARTS, cols], scale float32[blocks] (s / 2^21,
+    what multiplies a block's combined sum) and sums float32[blocks] (each block's sum of x, which
+    Q4_1's minimum and Q4_0's offset of 8 multiply)."""
+    weight = np.float32(1 << PART_BITS)
+    for b in range(x.size // 32):
+        top, total = np.float32(0), np.float32(0)
+        for j in range(32):
+            top = max(top, abs(x[32 * b + j]))
+            total += x[32 * b + j]
+        sums[b] = total
+        s = top / np.float32(127)
+        inverse = np.float32(1) / s if top >= TINY else np.float32(0)
+        scale[b] = s / np.float32(1 << (PART_BITS * (PARTS - 1)))
+        for j in range(32):
+            v = x[32 * b + j] * inverse
+            for p in range(PARTS):
+                a = np.round(v)
+                parts[p, 32 * b + j] = np.int8(a)
+                v = (v - a) * weight
+
+
+def _constant(element: ir.Type, values: list[int]) -> ir.Constant:
+    return ir.Constant(ir.VectorType(element, len(values)), values)
+
+
+def _pointer(context, builder, array_type, array, offset, element: ir.Type) -> ir.Value:
+    """Address of the array's flat element `offset` as a pointer to `element` (any alignment)."""
+    data = context.make_array(array_type)(context, builder, array).data
+    return builder.bitcast(builder.gep(data, [offset]), element.as_pointer())
+
+
+def _dot_bytes(builder, acc: ir.Value, unsigned: ir.Value, signed: ir.Value, vnni: bool) -> ir.Value:
+    """acc <16 x i32> plus, in lane l, the sum of the four products of bytes 4l..4l+3 of `unsigned`
+    and `signed` (<16 x i32> each holding 64 bytes): vpdpbusd, or the same in plain IR."""
+    if vnni:
+        module = builder.module
+        name = "llvm.x86.avx512.vpdpbusd.512"
+        vector = acc.type
+        dot = module.globals.get(name) or ir.Function(module, ir.FunctionType(vector, [vector] * 3), name)
+        return builder.call(dot, [acc, unsigned, signed])
+    bytes64 = ir.VectorType(_BYTE, 4 * LANES)
+    wide = ir.VectorType(_SHORT, 4 * LANES)
+    products = builder.mul(builder.zext(builder.bitcast(unsigned, bytes64), wide),
+                           builder.sext(builder.bitcast(signed, bytes64), wide))
+    products = builder.sext(products, ir.VectorType(_INT, 4 * LANES))
+    for i in range(4):
+        byte_i = builder.shuffle_vector(products, products, _constant(_INT, list(range(i, 4 * LANES, 4))))
+        acc = builder.add(acc, byte_i)
+    return acc
+
+
+@intrinsic
+def nibble_sums(typingctx, w, at, quad_stride, parts, x_at, out, out_at):
+    """out[out_at + l] = (S0 * 2^7 + S1) * 2^14 + S2 * 2^7 + S3 for the 16 rows l of one block, where
+    S_i sums nibble * parts[i, x_at + value] over the block's 32 values. The rows' quads are the 64
+    bytes at w's flat byte `at` + k * quad_stride, k = 0..3; w, parts (int8[PARTS, cols]) and out
+    (float32) are C-contiguous and indexed flat."""
+    arrays = (w, parts, out)
+    if not all(isinstance(a, types.Array) and a.layout == "C" for a in arrays):
+        return None
+    sig = types.void(w, at, quad_stride, parts, x_at, out, out_at)
+
+    def codegen(context, builder, signature, args):
+        vnni = has_vnni()
+        w_v, at_v, stride_v, parts_v, x_at_v, out_v, out_at_v = args
+        w_t, parts_t, out_t = signature.args[0], signature.args[3], signature.args[5]
+        at_v, stride_v, x_at_v, out_at_v = (
+            context.cast(builder, v, signature.args[i], types.intp)
+            for v, i in ((at_v, 1), (stride_v, 2), (x_at_v, 4), (out_at_v, 6)))
+        cols = builder.extract_value(context.make_array(parts_t)(context, builder, parts_v).shape, 1)
+        vector, quad_type = ir.VectorType(_INT, LANES), ir.VectorType(_BYTE, 4 * LANES)
+        low_mask, shift = _constant(_BYTE, [15] * 4 * LANES), _constant(_BYTE, [4] * 4 * LANES)
+
+        def broadcast_x(part: int, value: int) -> ir.Value:
+            """Values value..value+3 of the block's part `part`, in every lane."""
+            flat = builder.add(builder.mul(cols, ir.Constant(cols.type, part)),
+                               builder.add(x_at_v, ir.Constant(x_at_v.type, value)))
+            word = builder.load(_pointer(context, builder, parts_t, parts_v, flat, _INT), align=1)
+            first = builder.insert_element(ir.Constant(vector, ir.Undefined), word, ir.Constant(_INT, 0))
+            return builder.shuffle_vector(first, first, _constant(_INT, [0] * LANES))
+
+        sums = [ir.Constant(vector, [0] * LANES) for _ in range(PARTS)]
+        for k in range(4):
+            offset = builder.add(at_v, builder.mul(stride_v, ir.Constant(stride_v.type, k)))
+            quad = builder.load(_pointer(context, builder, w_t, w_v, offset, quad_type), align=1)
+            low = builder.bitcast(builder.and_(quad, low_mask), vector)
+            high = builder.bitcast(builder.and_(builder.lshr(quad, shift), low_mask), vector)
+            for part in range(PARTS):
+                for nibbles, value in ((low, 4 * k), (high, 16 + 4 * k)):
+                    sums[part] = _dot_bytes(builder, sums[part], nibbles, broadcast_x(part, value), vnni)
+        floats = ir.VectorType(ir.FloatType(), LANES)
+
+        def pair(first: ir.Value, second: ir.Value) -> ir.Value:  # first * 2^7 + second, exact as a float
+            joined = builder.add(builder.shl(first, _constant(_INT, [PART_BITS] * LANES)), second)
+            return builder.sitofp(joined, floats)
+
+        high = builder.fmul(pair(sums[0], sums[1]), ir.Constant(floats, [float(1 << 2 * PART_BITS)] * LANES))
+        total = builder.fadd(high, pair(sums[2], sums[3]))
+        builder.store(total, _pointer(context, builder, out_t, out_v, out_at_v, floats), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
