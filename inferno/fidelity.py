@@ -31,6 +31,7 @@ def default_text() -> tuple[str, str]:
 @dataclass
 class Fidelity:
     dtype: str
+    activations: str  # how the matrix-vector products took activations (nibble_dots.ACTIVATIONS)
     bits_per_value: float  # the cache's bytes over the values it was sized for (scales, open groups included)
     cache_bytes: int
     top1_agreement: float  # share of positions whose most likely next token is the float cache's
@@ -50,11 +51,15 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def measure(
-    model: Transformer, token_ids: list[int], dtypes: list[str], kind: str = "prealloc"
+    model: Transformer, token_ids: list[int], dtypes: list[str], kind: str = "prealloc",
+    activations: str = "f32",
 ) -> list[Fidelity]:
     """Teacher-force token_ids through a float32 cache and one cache per element type in `dtypes`, in
-    lockstep (so no distribution is kept past its step); the float cache's row comes first."""
-    names = [F32, *(d for d in dtypes if d != F32)]
+    lockstep (so no distribution is kept past its step); the float cache's row comes first. The
+    reference takes float32 activations; the other rows take `activations` (with "int8", an f32
+    row shows what rounding the activations alone costs)."""
+    names = [F32, *(d for d in dtypes if d != F32 or activations != "f32")]
+    modes = ["f32", *[activations] * (len(names) - 1)]
     for name in names:
         element_type(name)
     geometry = model.config.kv_geometry
@@ -65,24 +70,30 @@ def measure(
     kl_sum = np.zeros(len(names))
     kl_max = np.zeros(len(names))
     seconds = np.zeros(len(names))
-    for pos in range(n):
-        target = token_ids[pos + 1]
-        reference = None
-        for i, cache in enumerate(caches):
-            t0 = perf_counter()
-            logits = model.decode(token_ids[pos], pos, cache)
-            seconds[i] += perf_counter() - t0
-            logp = log_softmax(logits)
-            nll[i] -= logp[target]
-            if reference is None:
-                reference, best = logp, int(np.argmax(logp))
-            kl = float(np.sum(np.exp(reference) * (reference - logp)))
-            kl_sum[i] += kl
-            kl_max[i] = max(kl_max[i], kl)
-            agree[i] += int(np.argmax(logp)) == best
+    before = model.activations
+    try:
+        for pos in range(n):
+            target = token_ids[pos + 1]
+            reference = None
+            for i, cache in enumerate(caches):
+                model.set_activations(modes[i])
+                t0 = perf_counter()
+                logits = model.decode(token_ids[pos], pos, cache)
+                seconds[i] += perf_counter() - t0
+                logp = log_softmax(logits)
+                nll[i] -= logp[target]
+                if reference is None:
+                    reference, best = logp, int(np.argmax(logp))
+                kl = float(np.sum(np.exp(reference) * (reference - logp)))
+                kl_sum[i] += kl
+                kl_max[i] = max(kl_max[i], kl)
+                agree[i] += int(np.argmax(logp)) == best
+    finally:
+        model.set_activations(before)
     return [
         Fidelity(
             dtype=name,
+            activations=modes[i],
             bits_per_value=8 * cache.nbytes / (2 * geometry.layers * cache.capacity * geometry.kv_width),
             cache_bytes=cache.nbytes,
             top1_agreement=agree[i] / n,

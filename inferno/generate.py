@@ -42,7 +42,8 @@ def stream_generate(
     """
     ids = list(prompt_ids)
     start = cache.length if cache is not None else 0
-    metrics = Metrics(prompt_tokens=len(ids), prefilled_tokens=len(ids) - start)
+    metrics = Metrics(prompt_tokens=len(ids), prefilled_tokens=len(ids) - start,
+                      activations=model.activations)
     if cache is not None:
         metrics.cache, metrics.cache_capacity = cache.kind, cache.capacity
         metrics.cache_dtype = cache.dtype.name

@@ -44,6 +44,7 @@ class Metrics:
     decode_ms: float = 0.0  # from the first token out to the last
     cache: str | None = None  # the cache kind, None without a cache
     cache_dtype: str | None = None  # the element type of its rows
+    activations: str = "f32"  # how the matrix-vector products took activations (nibble_dots.ACTIVATIONS)
     cache_bytes: int = 0
     cache_capacity: int = 0
     evicted_tokens: int = 0  # positions a window cache no longer holds (it evicts instead of refusing)
@@ -85,6 +86,7 @@ class Metrics:
             "forward_ms_mean": sum(forwards) / len(forwards) if forwards else None,
             "cache": self.cache,
             "cache_dtype": self.cache_dtype,
+            "activations": self.activations,
             "cache_bytes": self.cache_bytes,
             "cache_capacity": self.cache_capacity,
             "evicted_tokens": self.evicted_tokens,

@@ -5,7 +5,8 @@
   attends one query over the cache.
 - `forward(tokens)` is the naive path with no cache: the whole sequence, every step.
 
-Weights stay in their GGUF type (`QuantizedMatrix`); activations are float32 throughout.
+Weights stay in their GGUF type (`QuantizedMatrix`); activations are float32 throughout (the 4-bit
+types' products split them into int8 parts exact to float32, unless `set_activations("int8")`).
 """
 
 from __future__ import annotations
@@ -145,6 +146,7 @@ class Transformer:
         self.layers = layers
         self.output_norm = output_norm
         self.output = output
+        self.activations = "f32"  # how the matrix-vector products take activations (set_activations)
         bases = {base: rope_frequencies(config, base) for base in set(config.layer_rope_bases)}
         self.layer_inv_freq = [bases[base] for base in config.layer_rope_bases]
         self.layer_rotary = [kernels.Rotary(f, config.rope_neox) for f in self.layer_inv_freq]
@@ -203,6 +205,13 @@ class Transformer:
             yield layer.wo
             yield from layer.gate_up.matrices
             yield layer.w_down
+
+    def set_activations(self, name: str) -> None:
+        """How every matrix-vector product takes its activations (nibble_dots.ACTIVATIONS): "f32",
+        the default, keeps the float reference's tokens; "int8" rounds them as llama.cpp does."""
+        for matrix in (*self.layer_matrices(), self.output):
+            matrix.activations = name
+        self.activations = name
 
     # -- the two cached paths ------------------------------------------------------------------
 

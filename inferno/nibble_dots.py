@@ -34,13 +34,19 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
 
 from inferno.jit import njit  # first: the target is set before any kernel is defined
 
 LANES = 16  # rows summed per call: the int32 lanes of one 512-bit register
-PARTS = 4  # int8 parts per activation
+PARTS = 4  # int8 parts per activation: float32's precision, the default
+# What a matvec may do to its activations, by name: how many int8 parts each value is split into.
+# "int8" is one part per value, a float32 scale per block of 32: what llama.cpp's q8_0/q8_1
+# activations hold (its scale is an f16), a quarter of the multiplies, with a rounding error that
+# `kv-bench --fidelity --activations` measures.
+ACTIVATIONS = {"f32": PARTS, "int8": 1}
 PART_BITS = 7  # each part after the first weighs 2^-7 of the one before
 TINY = np.float32(2.0**-100)  # blocks whose largest value is smaller split into zeros (see the docstring)
 _BYTE, _SHORT, _INT = ir.IntType(8), ir.IntType(16), ir.IntType(32)
@@ -53,9 +59,9 @@ def has_vnni() -> bool:
 
 @njit(cache=True, fastmath=True)
 def split_activations(x, parts, scale, sums):
-    """x float32[cols] (whole blocks of 32) -> parts int8[PARTS, cols], scale float32[blocks] (s / 2^21,
-    what multiplies a block's combined sum) and sums float32[blocks] (each block's sum of x, which
-    Q4_1's minimum and Q4_0's offset of 8 multiply)."""
+    """x float32[cols] (whole blocks of 32) -> parts int8[n, cols] (n = 1..PARTS), scale float32[blocks]
+    (s / 2^(7 (n - 1)), what multiplies a block's combined sum) and sums float32[blocks] (each block's
+    sum of x, which Q4_1's minimum and Q4_0's offset of 8 multiply)."""
     weight = np.float32(1 << PART_BITS)
     for b in range(x.size // 32):
         top, total = np.float32(0), np.float32(0)
@@ -65,10 +71,10 @@ def split_activations(x, parts, scale, sums):
         sums[b] = total
         s = top / np.float32(127)
         inverse = np.float32(1) / s if top >= TINY else np.float32(0)
-        scale[b] = s / np.float32(1 << (PART_BITS * (PARTS - 1)))
+        scale[b] = s / np.float32(1 << (PART_BITS * (parts.shape[0] - 1)))
         for j in range(32):
             v = x[32 * b + j] * inverse
-            for p in range(PARTS):
+            for p in range(parts.shape[0]):
                 a = np.round(v)
                 parts[p, 32 * b + j] = np.int8(a)
                 v = (v - a) * weight
@@ -105,53 +111,75 @@ def _dot_bytes(builder, acc: ir.Value, unsigned: ir.Value, signed: ir.Value, vnn
 
 
 @intrinsic
-def nibble_sums(typingctx, w, at, quad_stride, parts, x_at, out, out_at):
-    """out[out_at + l] = (S0 * 2^7 + S1) * 2^14 + S2 * 2^7 + S3 for the 16 rows l of one block, where
-    S_i sums nibble * parts[i, x_at + value] over the block's 32 values. The rows' quads are the 64
-    bytes at w's flat byte `at` + k * quad_stride, k = 0..3; w, parts (int8[PARTS, cols]) and out
-    (float32) are C-contiguous and indexed flat."""
+def nibble_sums(typingctx, w, at, quad_stride, parts, x_at, out, out_at, n_parts):
+    """out[i, out_at + l] = the combined sum of row l of 16 rows of one block with activation row i:
+    with S_p the sum of nibble * parts[i, p, x_at + value] over the block's 32 values,
+    (S0 * 2^7 + S1) * 2^14 + S2 * 2^7 + S3 for four parts, S0 for one (n_parts, a compile-time
+    constant, is 1 or 4). The rows' quads are the 64 bytes at w's flat byte `at` + k * quad_stride,
+    k = 0..3, split into nibbles once for every activation row; w, parts (int8[rows, n_parts, cols])
+    and out (float32[rows, n]) are C-contiguous and indexed flat."""
     arrays = (w, parts, out)
     if not all(isinstance(a, types.Array) and a.layout == "C" for a in arrays):
         return None
-    sig = types.void(w, at, quad_stride, parts, x_at, out, out_at)
+    if parts.ndim != 3 or out.ndim != 2:
+        return None
+    if not isinstance(n_parts, types.IntegerLiteral) or n_parts.literal_value not in ACTIVATIONS.values():
+        return None
+    count = n_parts.literal_value
+    sig = types.void(w, at, quad_stride, parts, x_at, out, out_at, n_parts)
 
     def codegen(context, builder, signature, args):
         vnni = has_vnni()
-        w_v, at_v, stride_v, parts_v, x_at_v, out_v, out_at_v = args
+        w_v, at_v, stride_v, parts_v, x_at_v, out_v, out_at_v, _ = args
         w_t, parts_t, out_t = signature.args[0], signature.args[3], signature.args[5]
         at_v, stride_v, x_at_v, out_at_v = (
             context.cast(builder, v, signature.args[i], types.intp)
             for v, i in ((at_v, 1), (stride_v, 2), (x_at_v, 4), (out_at_v, 6)))
-        cols = builder.extract_value(context.make_array(parts_t)(context, builder, parts_v).shape, 1)
+
+        def shape(array_type, array) -> list[ir.Value]:
+            struct = context.make_array(array_type)(context, builder, array)
+            return cgutils.unpack_tuple(builder, struct.shape)
+
+        rows, _, cols = shape(parts_t, parts_v)
+        out_cols = shape(out_t, out_v)[1]
         vector, quad_type = ir.VectorType(_INT, LANES), ir.VectorType(_BYTE, 4 * LANES)
+        floats = ir.VectorType(ir.FloatType(), LANES)
         low_mask, shift = _constant(_BYTE, [15] * 4 * LANES), _constant(_BYTE, [4] * 4 * LANES)
-
-        def broadcast_x(part: int, value: int) -> ir.Value:
-            """Values value..value+3 of the block's part `part`, in every lane."""
-            flat = builder.add(builder.mul(cols, ir.Constant(cols.type, part)),
-                               builder.add(x_at_v, ir.Constant(x_at_v.type, value)))
-            word = builder.load(_pointer(context, builder, parts_t, parts_v, flat, _INT), align=1)
-            first = builder.insert_element(ir.Constant(vector, ir.Undefined), word, ir.Constant(_INT, 0))
-            return builder.shuffle_vector(first, first, _constant(_INT, [0] * LANES))
-
-        sums = [ir.Constant(vector, [0] * LANES) for _ in range(PARTS)]
+        nibbles = []  # (16 rows' 4 bytes as <16 x i32>, the first of the 4 values they hold)
         for k in range(4):
             offset = builder.add(at_v, builder.mul(stride_v, ir.Constant(stride_v.type, k)))
             quad = builder.load(_pointer(context, builder, w_t, w_v, offset, quad_type), align=1)
-            low = builder.bitcast(builder.and_(quad, low_mask), vector)
-            high = builder.bitcast(builder.and_(builder.lshr(quad, shift), low_mask), vector)
-            for part in range(PARTS):
-                for nibbles, value in ((low, 4 * k), (high, 16 + 4 * k)):
-                    sums[part] = _dot_bytes(builder, sums[part], nibbles, broadcast_x(part, value), vnni)
-        floats = ir.VectorType(ir.FloatType(), LANES)
+            high = builder.and_(builder.lshr(quad, shift), low_mask)
+            nibbles.append((builder.bitcast(builder.and_(quad, low_mask), vector), 4 * k))
+            nibbles.append((builder.bitcast(high, vector), 16 + 4 * k))
 
-        def pair(first: ir.Value, second: ir.Value) -> ir.Value:  # first * 2^7 + second, exact as a float
-            joined = builder.add(builder.shl(first, _constant(_INT, [PART_BITS] * LANES)), second)
-            return builder.sitofp(joined, floats)
+        with cgutils.for_range(builder, rows) as loop:
+            row_first = builder.mul(loop.index, builder.mul(cols, ir.Constant(cols.type, count)))
 
-        high = builder.fmul(pair(sums[0], sums[1]), ir.Constant(floats, [float(1 << 2 * PART_BITS)] * LANES))
-        total = builder.fadd(high, pair(sums[2], sums[3]))
-        builder.store(total, _pointer(context, builder, out_t, out_v, out_at_v, floats), align=4)
+            def broadcast_x(part: int, value: int) -> ir.Value:
+                """Values value..value+3 of the block's part `part` of this row, in every lane."""
+                flat = builder.add(builder.add(row_first, builder.mul(cols, ir.Constant(cols.type, part))),
+                                   builder.add(x_at_v, ir.Constant(x_at_v.type, value)))
+                word = builder.load(_pointer(context, builder, parts_t, parts_v, flat, _INT), align=1)
+                first = builder.insert_element(ir.Constant(vector, ir.Undefined), word, ir.Constant(_INT, 0))
+                return builder.shuffle_vector(first, first, _constant(_INT, [0] * LANES))
+
+            sums = [ir.Constant(vector, [0] * LANES) for _ in range(count)]
+            for part in range(count):
+                for values, value in nibbles:
+                    sums[part] = _dot_bytes(builder, sums[part], values, broadcast_x(part, value), vnni)
+
+            def pair(first: ir.Value, second: ir.Value) -> ir.Value:  # first * 2^7 + second, exact as a float
+                joined = builder.add(builder.shl(first, _constant(_INT, [PART_BITS] * LANES)), second)
+                return builder.sitofp(joined, floats)
+
+            if count == 1:
+                total = builder.sitofp(sums[0], floats)
+            else:
+                scale = ir.Constant(floats, [float(1 << 2 * PART_BITS)] * LANES)
+                total = builder.fadd(builder.fmul(pair(sums[0], sums[1]), scale), pair(sums[2], sums[3]))
+            cell = builder.add(builder.mul(loop.index, out_cols), out_at_v)
+            builder.store(total, _pointer(context, builder, out_t, out_v, cell, floats), align=4)
         return context.get_dummy_value()
 
     return sig, codegen

@@ -36,8 +36,8 @@ from numba.extending import intrinsic, overload
 from inferno.errors import InfernoError
 from inferno.jit import njit
 from inferno.kernels import float_from_bits
+from inferno.nibble_dots import ACTIVATIONS, PARTS, nibble_sums, split_activations
 from inferno.nibble_dots import LANES as NIBBLE_LANES
-from inferno.nibble_dots import PARTS, nibble_sums, split_activations
 
 TILE_ROWS = 32  # lanes per tile: full SIMD loops, yet enough tiles to share small matrices between threads
 WIDE_TILE_ROWS = 64  # for 4-bit blocks, whose matvec measured 1.2x faster on 64 lanes (Q8_0: 1.4x slower)
@@ -74,6 +74,8 @@ class QuantizedMatrix:
         self.nbytes = tiles.nbytes
         self._tiles = tiles
         self._kernels = _kernels(int(qtype))
+        self._matvec = _matvec(int(qtype), PARTS)
+        self._activations = "f32"
         self.parts = [(0, rows)]  # (first row, rows) of each stacked weight (see from_tensors)
         self.part_names = [name]  # the weight in each part
 
@@ -112,6 +114,19 @@ class QuantizedMatrix:
         return matrix
 
     @property
+    def activations(self) -> str:
+        """How matvec takes x (a name in nibble_dots.ACTIVATIONS): "f32", float32's precision, the
+        default; "int8", one int8 part per value (4-bit types only; the others stay float32)."""
+        return self._activations
+
+    @activations.setter
+    def activations(self, name: str) -> None:
+        if name not in ACTIVATIONS:
+            raise ValueError(f"activations {name!r}: expected one of {', '.join(ACTIVATIONS)}")
+        self._activations = name
+        self._matvec = _matvec(int(self.qtype), ACTIVATIONS[name] if int(self.qtype) in NIBBLES_AT else PARTS)
+
+    @property
     def tiles(self) -> np.ndarray:
         """The blocks, uint8[tile, block, byte, lane] (see the module's Layout)."""
         return self._tiles
@@ -136,7 +151,7 @@ class QuantizedMatrix:
             raise ValueError(f"{self.name}: out must be contiguous float32 of shape ({self.rows},)")
         # As many chunks of tiles as Numba may ever run threads (numba.get_num_threads() costs more than a
         # small matvec's arithmetic); prange spreads them over the threads currently enabled.
-        self._kernels.matvec(self._tiles, x, out, numba.config.NUMBA_NUM_THREADS)
+        self._matvec(self._tiles, x, out, numba.config.NUMBA_NUM_THREADS)
         return out
 
     def matmul(self, x: np.ndarray, part: int | None = None) -> np.ndarray:
@@ -552,18 +567,23 @@ def _dot_q6_k(w, x, xs, acc, s):
 
 
 @njit(cache=True, fastmath=True)
-def _dot_nibbles(w, parts, scale, xs, acc, sums, qs):
-    """acc[lane] += row lane of tile w (Q4_0: qs = 2, Q4_1: qs = 4) . x, from x's int8 parts and each
-    block's scale and sum (inferno.nibble_dots), 16 lanes per integer call."""
-    lanes = acc.size
+def _dot_nibbles(w, parts, scale, xs, acc, sums, dm, qs, n_parts):
+    """acc[i, lane] += row lane of tile w (Q4_0: qs = 2, Q4_1: qs = 4) . x_i for each row i of x, from
+    x_i's n_parts int8 parts (a compile-time constant) and each block's scale and sum
+    (inferno.nibble_dots): parts [rows, n_parts, cols], scale and xs [rows, blocks], sums [rows,
+    lanes] and dm [2, lanes] scratch. A block's nibbles are split, and its d and m converted, once
+    for all rows."""
+    lanes = acc.shape[1]
     for b in range(w.shape[0]):
         first = (b * w.shape[1] + qs) * lanes
         for g in range(0, lanes, NIBBLE_LANES):
-            nibble_sums(w, first + 4 * g, 4 * lanes, parts, 32 * b, sums, g)
+            nibble_sums(w, first + 4 * g, 4 * lanes, parts, 32 * b, sums, g, n_parts)
         for r in range(lanes):
             d = _f16(w, b, 0, r)
-            m = _f16(w, b, 2, r) if qs == 4 else np.float32(-8) * d
-            acc[r] += d * (scale[b] * sums[r]) + m * xs[b]
+            dm[0, r], dm[1, r] = d, _f16(w, b, 2, r) if qs == 4 else np.float32(-8) * d
+        for i in range(acc.shape[0]):
+            for r in range(lanes):
+                acc[i, r] += dm[0, r] * (scale[i, b] * sums[i, r]) + dm[1, r] * xs[i, b]
 
 
 _DOT = {Q8_0: _dot_q8_0, Q5_0: _dot_q5_0, Q4_K: _dot_q4_k, Q6_K: _dot_q6_k}
@@ -571,10 +591,10 @@ assert set(_DOT) | set(NIBBLES_AT) == {int(t) for t in FUSED}
 
 
 # ---------------------------------------------------------------------------------------------------
-# Dispatch. The drivers below are built per type by `_kernels(kind)`, with `kind` a closure constant:
-# Numba sees it as a literal, so these typing-time dispatchers pick one type's functions and only those
-# get compiled. (Closures over plain ints are cached like module functions; closures over dispatchers
-# would not be, hence the indirection.)
+# Dispatch. The drivers below are built per type by `_matvec(kind, n_parts)` and `_kernels(kind)`, with
+# `kind` and `n_parts` closure constants: Numba sees them as literals, so these typing-time dispatchers
+# pick one type's functions and only those get compiled. (Closures over plain ints are cached like
+# module functions; closures over dispatchers would not be, hence the indirection.)
 
 
 def _dequantize_tile(kind, w, r0, r1, out):
@@ -588,34 +608,37 @@ def _dequantize_tile_impl(kind, w, r0, r1, out):
     return lambda kind, w, r0, r1, out: deq(w, r0, r1, out)
 
 
-def _tile_dot(kind, w, x, xq, acc, work):
+def _tile_dot(kind, w, x, xq, acc, work, n_parts):
     """acc = tile w @ x (dispatch stub, resolved by the overload below). xq: what every tile uses of x
     (its block sums; for the 4-bit types its int8 parts and block scales); work: one thread's
-    scratch (float32[4, lanes], float32[lanes], and for unfused types float32[cols, lanes])."""
+    scratch (float32[4, lanes], float32[1, lanes], and for unfused types float32[cols, lanes]); n_parts:
+    how many int8 parts x is split into (the 4-bit types)."""
     raise NotImplementedError
 
 
 @overload(_tile_dot, prefer_literal=True)
-def _tile_dot_impl(kind, w, x, xq, acc, work):
+def _tile_dot_impl(kind, w, x, xq, acc, work, n_parts):
     if kind.literal_value in NIBBLES_AT:
-        qs = NIBBLES_AT[kind.literal_value]
+        qs, count = NIBBLES_AT[kind.literal_value], n_parts.literal_value
 
-        def integer(kind, w, x, xq, acc, work):
+        def integer(kind, w, x, xq, acc, work, n_parts):
             _zero(acc)
-            _dot_nibbles(w, xq[1], xq[2], xq[0], acc, work[1], qs)
+            xs, parts, scale = xq
+            _dot_nibbles(w, parts.reshape(1, parts.shape[0], parts.shape[1]), scale.reshape(1, scale.size),
+                         xs.reshape(1, xs.size), acc.reshape(1, acc.size), work[1], work[0], qs, count)
 
         return integer
     if kind.literal_value in _DOT:
         dot = _DOT[kind.literal_value]
 
-        def fused(kind, w, x, xq, acc, work):
+        def fused(kind, w, x, xq, acc, work, n_parts):
             _zero(acc)
             dot(w, x, xq[0], acc, work[0])
 
         return fused
     deq = _DEQUANTIZE[kind.literal_value]
 
-    def dequantized(kind, w, x, xq, acc, work):
+    def dequantized(kind, w, x, xq, acc, work, n_parts):
         scratch = work[2]
         deq(w, 0, acc.size, scratch)
         _zero(acc)
@@ -626,14 +649,9 @@ def _tile_dot_impl(kind, w, x, xq, acc, work):
     return dequantized
 
 
-class _Kernels(NamedTuple):
-    matvec: Callable
-    dequantize_rows: Callable
-    dequantize_transposed: Callable
-
-
 @functools.cache
-def _kernels(kind: int) -> _Kernels:
+def _matvec(kind: int, n_parts: int) -> Callable:
+    """The matvec of one type, with x split into n_parts int8 parts for the 4-bit types."""
     fused, integer = kind in _DOT or kind in NIBBLES_AT, kind in NIBBLES_AT
 
     @njit(cache=True, parallel=True, fastmath=True)
@@ -641,7 +659,7 @@ def _kernels(kind: int) -> _Kernels:
         ntiles, lanes = tiles.shape[0], tiles.shape[3]
         nblocks = x.size // 32  # the float types' rows need not be whole blocks; they ignore xq
         xs = np.zeros(nblocks, np.float32)
-        parts = np.empty((PARTS, x.size if integer else 0), np.int8)
+        parts = np.empty((n_parts, x.size if integer else 0), np.int8)
         scale = np.empty(nblocks if integer else 0, np.float32)
         if integer:
             split_activations(x, parts, scale, xs)
@@ -652,13 +670,23 @@ def _kernels(kind: int) -> _Kernels:
         nchunks = min(ntiles, nchunks)
         for c in prange(nchunks):  # one run of tiles per thread, so scratch is allocated once per thread
             acc = np.empty(lanes, np.float32)
-            work = (np.empty((4, lanes), np.float32), np.empty(lanes, np.float32),
+            work = (np.empty((4, lanes), np.float32), np.empty((1, lanes), np.float32),
                     np.empty((0 if fused else x.size, lanes), np.float32))
             for t in range(c * ntiles // nchunks, (c + 1) * ntiles // nchunks):
-                _tile_dot(kind, tiles[t], x, (xs, parts, scale), acc, work)
+                _tile_dot(kind, tiles[t], x, (xs, parts, scale), acc, work, n_parts)
                 for r in range(min(lanes, out.size - t * lanes)):
                     out[t * lanes + r] = acc[r]
 
+    return matvec
+
+
+class _Kernels(NamedTuple):
+    dequantize_rows: Callable
+    dequantize_transposed: Callable
+
+
+@functools.cache
+def _kernels(kind: int) -> _Kernels:
     @njit(cache=True)
     def dequantize_rows(tiles, ids, out):
         """out[k] = row ids[k]; runs of consecutive ids within a tile are done together."""
@@ -692,4 +720,4 @@ def _kernels(kind: int) -> _Kernels:
                     for r in range(lanes):
                         dst[r] = src[r]
 
-    return _Kernels(matvec, dequantize_rows, dequantize_transposed)
+    return _Kernels(dequantize_rows, dequantize_transposed)

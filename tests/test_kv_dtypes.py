@@ -233,6 +233,27 @@ def test_fidelity_on_english_text(engine):
     assert rows["q4_0"].kl_mean > rows["q4_0h"].kl_mean > 2 * rows["q4_kivi"].kl_mean
 
 
+def test_int8_activations_cost_measured_and_reported(run_main, engine, model_path):
+    """--activations int8: the fidelity rows besides the reference take int8 activations (and the
+    model is left as it was); model-generate's JSON says which arithmetic made its tokens."""
+    from inferno.cli.generate import main
+    from inferno.fidelity import measure
+
+    ids = engine.tokenizer.encode((FIXTURES / "execution_model.txt").read_text())[:64]
+    reference, rounded = measure(engine.model, ids, ["f32"], activations="int8")
+    assert (reference.activations, rounded.activations) == ("f32", "int8")
+    assert reference.kl_mean == 0 and 0 < rounded.kl_mean < 0.05 and rounded.top1_agreement >= 0.85
+    assert engine.model.activations == "f32"
+    args = (str(model_path), "Hello", "4", "--json")
+    code, out, err = run_main(main, "model-generate", "--activations", "int8", *args)
+    assert code == 0, err
+    assert json.loads(out)["metrics"]["activations"] == "int8"
+    code, out, _ = run_main(main, "model-generate", *args)
+    assert json.loads(out)["metrics"]["activations"] == "f32"
+    code, _, err = run_main(main, "model-generate", "--activations", "q4", *args)
+    assert code == 2 and err.count("\n") == 1 and "--activations 'q4': expected one of f32, int8" in err
+
+
 def test_kv_bench_fidelity_json_and_bad_element_types(run_main, model_path):
     from inferno.cli.kv_bench import main
 

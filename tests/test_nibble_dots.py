@@ -9,7 +9,7 @@ import pytest
 
 from inferno import nibble_dots
 from inferno.jit import njit
-from inferno.nibble_dots import LANES, PART_BITS, PARTS, has_vnni, nibble_sums, split_activations
+from inferno.nibble_dots import ACTIVATIONS, LANES, PART_BITS, PARTS, has_vnni, nibble_sums, split_activations
 
 
 def activations(rng: np.random.Generator) -> np.ndarray:
@@ -26,9 +26,9 @@ def activations(rng: np.random.Generator) -> np.ndarray:
     return x.reshape(-1)
 
 
-def split(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def split(x: np.ndarray, n_parts: int = PARTS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     blocks = x.size // 32
-    parts = np.empty((PARTS, x.size), np.int8)
+    parts = np.empty((n_parts, x.size), np.int8)
     scale, sums = np.empty(blocks, np.float32), np.empty(blocks, np.float32)
     split_activations(x, parts, scale, sums)
     return parts, scale, sums
@@ -52,39 +52,51 @@ def test_split_rebuilds_each_value_to_float32_precision():
 
 
 def nibble_reference(quads: np.ndarray, parts: np.ndarray) -> np.ndarray:
-    """(S0 * 2^7 + S1) * 2^14 + S2 * 2^7 + S3 for 16 rows of one block, rounded once to float32;
-    quads uint8[4, 16 rows, 4 bytes]."""
+    """[activation rows, 16 weight rows] of one block: sum_p S_p * 2^(7 (n - 1 - p)) over the n
+    parts, rounded once to float32; quads uint8[4, 16 rows, 4 bytes], parts int8[rows, n, 32+]."""
     q = np.empty((LANES, 32), np.int64)
     for k in range(4):
         q[:, 4 * k : 4 * k + 4] = quads[k] & 15
         q[:, 16 + 4 * k : 20 + 4 * k] = quads[k] >> 4
-    s = q @ parts[:, :32].T.astype(np.int64)  # [rows, part]
-    return (sum(s[:, i] << PART_BITS * (PARTS - 1 - i) for i in range(PARTS))).astype(np.float32)
+    n = parts.shape[1]
+    s = np.einsum("lv,rpv->rlp", q, parts[:, :, :32].astype(np.int64))  # [rows, lanes, part]
+    return sum(s[:, :, i] << PART_BITS * (n - 1 - i) for i in range(n)).astype(np.float32)
 
 
-def compile_sums():
+def compile_sums(n_parts: int):
     """A fresh (uncached) caller, so the intrinsic is generated again under the current has_vnni."""
     @njit(cache=False)
     def sums_of(w, parts, out):
-        nibble_sums(w, 0, 4 * LANES, parts, 0, out, 0)
+        nibble_sums(w, 0, 4 * LANES, parts, 0, out, 0, n_parts)
 
     return sums_of
 
 
+@pytest.mark.parametrize("n_parts", sorted(set(ACTIVATIONS.values())))
 @pytest.mark.parametrize("vnni", [True, False], ids=["vpdpbusd", "plain-ir"])
-def test_nibble_sums_are_exact_integers(monkeypatch, vnni):
+def test_nibble_sums_are_exact_integers(monkeypatch, vnni, n_parts):
+    """Three activation rows against one block of 16 weight rows, every part count a mode uses."""
     if vnni and not has_vnni():
         pytest.skip("this CPU has no AVX512-VNNI")
     monkeypatch.setattr(nibble_dots, "has_vnni", lambda: vnni)
     rng = np.random.default_rng(1)
     quads = rng.integers(0, 256, (4, LANES, 4), dtype=np.uint8)
     quads[0, 0] = 255  # the largest nibbles against the largest parts: the sum's extreme
-    x = activations(rng)[:32]
-    parts, _, _ = split(x)
-    parts[:, :4] = -127
-    out = np.zeros(LANES, np.float32)
-    sums_of = compile_sums()
+    x = activations(rng)
+    parts = np.stack([split(x[32 * r : 32 * r + 32], n_parts)[0] for r in (0, 3, 4)])
+    parts[0, :, :4] = -127
+    out = np.zeros((3, LANES), np.float32)
+    sums_of = compile_sums(n_parts)
     sums_of(quads, parts, out)
     assert np.array_equal(out, nibble_reference(quads, parts))
     asm = sums_of.inspect_asm(sums_of.signatures[0])
     assert ("vpdpbusd" in asm) == vnni
+
+
+def test_one_part_is_int8_rounding():
+    """The int8 mode: each value rounded to the nearest step of its block's max / 127."""
+    x = activations(np.random.default_rng(2))[64:128]  # an outlier block and an all-negative one
+    parts, scale, _ = split(x, ACTIVATIONS["int8"])
+    step = np.abs(x.reshape(2, 32)).max(axis=1) / 127
+    assert np.array_equal(scale, step.astype(np.float32))
+    np.testing.assert_array_equal(parts[0], np.round(x / np.repeat(step, 32)).astype(np.int8))

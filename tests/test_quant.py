@@ -191,3 +191,28 @@ def test_stacked_weights_compute_like_separate_ones(tmp_path):
         for name, got in zip(shapes, group(x), strict=True):
             assert_close(got, reference(tensors[name]), x)
             assert got.flags.c_contiguous
+
+
+def test_int8_activations_round_like_llama_cpp_and_leave_other_types_alone(tmp_path):
+    """activations = "int8": the 4-bit types' products take x rounded to one int8 per value (an error
+    near 1% of the block's largest value times the weights), the others stay float32; a name
+    outside ACTIVATIONS is refused."""
+    rng = np.random.default_rng(5)
+    cols = 256
+    x = rng.standard_normal(cols).astype(np.float32)
+    for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+        blocks = make_blocks(qtype, 70, cols, rng)
+        tensor = write_gguf(tmp_path / f"{qtype.name}.gguf", {"w": (qtype, blocks)})["w"]
+        m = QuantizedMatrix.from_tensor(tensor)
+        exact = m.matvec(x)
+        m.activations = "int8"
+        rounded = m.matvec(x)
+        w = reference(tensor).astype(np.float64)
+        bound = np.abs(w) @ np.repeat(np.abs(x.reshape(-1, 32)).max(axis=1), 32) / 254
+        if qtype == Q.Q8_0:
+            assert np.array_equal(rounded, exact)
+        else:
+            assert not np.array_equal(rounded, exact)
+            assert np.all(np.abs(rounded - w @ x) <= bound * 1.001 + 1e-4)
+        with pytest.raises(ValueError, match="activations 'int4'"):
+            m.activations = "int4"

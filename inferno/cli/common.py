@@ -126,6 +126,14 @@ def is_gguf_file(path: str) -> bool:
         return False
 
 
+def check_activations(name: str) -> None:
+    """--activations names how the matrix-vector products take activations, or a one-line refusal."""
+    from inferno.nibble_dots import ACTIVATIONS
+
+    if name not in ACTIVATIONS:
+        raise InfernoError(f"--activations {name!r}: expected one of {', '.join(ACTIVATIONS)}")
+
+
 def set_threads(threads: int | None) -> None:
     """Cap every thread pool we use (Numba's and the BLAS behind numpy) at `threads`.
 

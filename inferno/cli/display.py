@@ -58,6 +58,8 @@ def metrics_panel(run: RunRecord) -> Table:
         ("time to first token", f"{m.ttft_ms:.1f} ms  ({prefill})"),
         ("decode", f"{decode_tok_s} tok/s, {tpot} per output token"),
     ]
+    if m.activations != "f32":
+        rows.append(("activations", f"{m.activations} (not the float reference's arithmetic)"))
     if forwards:
         rows += [
             ("per forward", f"min {min(forwards):.2f}  max {max(forwards):.2f}  "
@@ -144,11 +146,13 @@ def fidelity_table(rows: Sequence, source: str, tokens: int) -> Table:
     """kv-bench --fidelity: each element type against the float32 cache on one teacher-forced text."""
     table = Table(title=f"KV element types against the f32 cache, {tokens} tokens of {source}",
                   title_justify="left")
-    for name, justify in (("dtype", "left"), ("bits/value", "right"), ("cache", "right"),
-                          ("top-1 agree", "right"), ("KL mean", "right"), ("KL max", "right"),
-                          ("perplexity", "right"), ("decode ms", "right")):
+    columns = (("dtype", "left"), ("activations", "left"), ("bits/value", "right"), ("cache", "right"),
+               ("top-1 agree", "right"), ("KL mean", "right"), ("KL max", "right"), ("perplexity", "right"),
+               ("decode ms", "right"))
+    for name, justify in columns:
         table.add_column(name, justify=justify)
     for r in rows:
-        table.add_row(r.dtype, f"{r.bits_per_value:g}", fmt_bytes(r.cache_bytes), f"{r.top1_agreement:.2%}",
-                      f"{r.kl_mean:.2e}", f"{r.kl_max:.3f}", f"{r.perplexity:.3f}", f"{r.decode_ms:.2f}")
+        table.add_row(r.dtype, r.activations, f"{r.bits_per_value:g}", fmt_bytes(r.cache_bytes),
+                      f"{r.top1_agreement:.2%}", f"{r.kl_mean:.2e}", f"{r.kl_max:.3f}", f"{r.perplexity:.3f}",
+                      f"{r.decode_ms:.2f}")
     return table

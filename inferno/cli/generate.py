@@ -16,6 +16,7 @@ import inferno
 from inferno.cli.common import (
     EXIT_INTERRUPTED,
     blame,
+    check_activations,
     console,
     default_model,
     looks_like_model,
@@ -125,6 +126,9 @@ def _optional_values(argv: list[str]) -> list[str]:
 @click.option("--prompt-file", type=click.Path(dir_okay=False, allow_dash=True), default=None,
               help="Read the prompt from a file, or standard input for - (PROMPT is then not given).")
 @click.option("--threads", type=int, default=None, help="Threads for the kernels (default: all cores).")
+@click.option("--activations", default="f32", show_default=True, metavar="f32|int8",
+              help="How 4-bit weights take activations: f32 keeps the float reference's tokens; int8 "
+                   "rounds them as llama.cpp does (faster batches; kv-bench --fidelity measures it).")
 @click.option("--log-tokens", "log_tokens", type=int, default=None, metavar="[K]",
               help="Log every forward: token, its probability (and the K likeliest), ms, cache length.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text and tables.")
@@ -135,7 +139,7 @@ def _optional_values(argv: list[str]) -> list[str]:
 @version_option()
 def command(args, kv, kv_dtype, max_context, block_size, num_samples, batch_file, max_batch, window, sinks,
             window_positions, chat, system, stops, temperature, top_k, top_p, seed, ignore_eos, prompt_file,
-            threads, log_tokens, as_json, save_cache, load_cache):
+            threads, activations, log_tokens, as_json, save_cache, load_cache):
     """Generate text with a GGUF model on the CPU and report per-forward timings.
 
     The generated text goes to stdout; the prompt, progress and metrics to stderr (--json: one
@@ -159,6 +163,7 @@ def command(args, kv, kv_dtype, max_context, block_size, num_samples, batch_file
         system = utf8("--system", system)
     if max_new < 1:
         raise InfernoError(f"MAX_NEW_TOKENS must be at least 1, got {max_new}")
+    check_activations(activations)
     if kv is not None and kv not in KINDS:
         raise InfernoError(f"unknown KV cache mode {kv!r} (valid: {', '.join(KINDS)})")
     if log_tokens is not None and log_tokens < 0:
@@ -192,6 +197,7 @@ def command(args, kv, kv_dtype, max_context, block_size, num_samples, batch_file
     imports_ms = (perf_counter() - inferno.IMPORTED_AT) * 1000
     engine = Engine.load(model_path, progress=None if as_json else progress_on(err))
     engine.startup = replace(engine.startup, imports_ms=imports_ms)
+    engine.model.set_activations(activations)
     if many:
         from inferno.cli import generate_many
         from inferno.kv.paged import BLOCK_SIZE

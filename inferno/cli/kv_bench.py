@@ -12,6 +12,7 @@ import click
 from inferno.bench.batch_sweep import batch_sweep, parse_sizes
 from inferno.bench.kv_modes import DEFAULT_MODES, MODES, run_modes, summary_row
 from inferno.cli.common import (
+    check_activations,
     console,
     default_model,
     progress_on,
@@ -80,16 +81,18 @@ def text_tokens(engine, text_file: str | None, tokens: int) -> tuple[list[int], 
                    "decoded together in a paged pool (e.g. 1,2,4,8,16).")
 @click.option("--block-size", type=int, default=BLOCK_SIZE, show_default=True,
               help="Tokens per block of the --batch-sweep pool.")
+@click.option("--activations", default="f32", show_default=True, metavar="f32|int8",
+              help="How 4-bit weights take activations (--fidelity: the rows besides the reference's).")
 @click.option("--threads", type=int, default=None)
 @click.option("--json", "as_json", is_flag=True)
 @version_option()
 def command(model, prompt, depth, new_tokens, modes, kv_dtypes, fidelity, text_file, tokens, window, sweep,
-            block_size, threads, as_json):
+            block_size, activations, threads, as_json):
     """Show what a KV cache buys: per-forward time climbs without one and stays flat with one.
 
     \b
     Speed:     kv-bench --modes prealloc --kv-dtype f32,q8_0,q4_0h --depth 2048 -n 64
-    Fidelity:  kv-bench --fidelity --kv-dtype f16,q8_0,q4_0,q4_0h
+    Fidelity:  kv-bench --fidelity --kv-dtype f16,q8_0,q4_0,q4_0h  (--activations int8 --kv-dtype f32)
     Batching:  kv-bench --batch-sweep 1,2,4,8,16 --depth 128 -n 64
     """
     set_threads(threads)
@@ -106,12 +109,14 @@ def command(model, prompt, depth, new_tokens, modes, kv_dtypes, fidelity, text_f
         raise InfernoError("--batch-sweep and --fidelity do not go together: give one")
     if block_size < 1:
         raise InfernoError(f"--block-size must be at least 1, got {block_size}")
+    check_activations(activations)
     from inferno.engine import Engine
 
     err = console(stderr=True)
     engine = Engine.load(model or default_model(), progress=None if as_json else progress_on(err))
     if fidelity:
-        return report_fidelity(engine, dtypes, text_file, tokens, as_json)
+        return report_fidelity(engine, dtypes, text_file, tokens, activations, as_json)
+    engine.model.set_activations(activations)
     if depth is not None:
         ids, _ = text_tokens(engine, text_file, 2)
         prompt_ids = (ids * (depth // len(ids) + 1))[:depth]
@@ -136,12 +141,12 @@ def command(model, prompt, depth, new_tokens, modes, kv_dtypes, fidelity, text_f
     out.print("same tokens from every mode" if same else "[yellow]the modes generated different tokens[/]")
 
 
-def report_fidelity(engine, dtypes: tuple[str, ...], text_file: str | None, tokens: int,
+def report_fidelity(engine, dtypes: tuple[str, ...], text_file: str | None, tokens: int, activations: str,
                     as_json: bool) -> None:
     from inferno.fidelity import measure
 
     ids, source = text_tokens(engine, text_file, tokens)
-    rows = measure(engine.model, ids, list(dtypes))
+    rows = measure(engine.model, ids, list(dtypes), activations=activations)
     if as_json:
         json.dump({"text": source, "tokens": len(ids), "rows": [r.to_json() for r in rows]}, sys.stdout)
         print()
