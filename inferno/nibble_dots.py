@@ -110,77 +110,115 @@ def _dot_bytes(builder, acc: ir.Value, unsigned: ir.Value, signed: ir.Value, vnn
     return acc
 
 
+def _splat(builder, value: ir.Value) -> ir.Value:
+    vector = ir.VectorType(value.type, LANES)
+    first = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(_INT, 0))
+    return builder.shuffle_vector(first, first, _constant(_INT, [0] * LANES))
+
+
 @intrinsic
-def nibble_sums(typingctx, w, at, quad_stride, parts, x_at, out, out_at, n_parts):
-    """out[i, out_at + l] = the combined sum of row l of 16 rows of one block with activation row i:
-    with S_p the sum of nibble * parts[i, p, x_at + value] over the block's 32 values,
-    (S0 * 2^7 + S1) * 2^14 + S2 * 2^7 + S3 for four parts, S0 for one (n_parts, a compile-time
-    constant, is 1 or 4). The rows' quads are the 64 bytes at w's flat byte `at` + k * quad_stride,
-    k = 0..3, split into nibbles once for every activation row; w, parts (int8[rows, n_parts, cols])
-    and out (float32[rows, n]) are C-contiguous and indexed flat."""
-    arrays = (w, parts, out)
+def nibble_dots(typingctx, w, b, g, parts, scale, sums, acc, qs, n_parts):
+    """acc[i, g + l] += d_l * scale[i, b] * D_il + m_l * sums[i, b] for the 16 weight rows g + l of
+    block b of tile w (uint8[block, byte, lane]) and every activation row i, where D_il is the
+    combined integer dot of the row's nibbles with parts[i] (int8[rows, n_parts, cols]):
+    (S0 * 2^7 + S1) * 2^14 + S2 * 2^7 + S3 for four parts, S0 for one, S_p summing nibble * part p
+    over the block's 32 values. d_l and m_l are the row's f16 scale and minimum (Q4_1, qs = 4; Q4_0,
+    qs = 2, has m = -8 d). The block's nibbles are split, and d and m converted, once for all
+    activation rows. qs and n_parts (1 or 4) are compile-time constants; all arrays C-contiguous."""
+    arrays = (w, parts, scale, sums, acc)
     if not all(isinstance(a, types.Array) and a.layout == "C" for a in arrays):
         return None
-    if parts.ndim != 3 or out.ndim != 2:
+    if (w.ndim, parts.ndim, scale.ndim, sums.ndim, acc.ndim) != (3, 3, 2, 2, 2):
         return None
-    if not isinstance(n_parts, types.IntegerLiteral) or n_parts.literal_value not in ACTIVATIONS.values():
+    literals = (qs, n_parts)
+    if not all(isinstance(v, types.IntegerLiteral) for v in literals):
         return None
-    count = n_parts.literal_value
-    sig = types.void(w, at, quad_stride, parts, x_at, out, out_at, n_parts)
+    nibbles_at, count = qs.literal_value, n_parts.literal_value
+    if nibbles_at not in (2, 4) or count not in ACTIVATIONS.values():
+        return None
+    sig = types.void(w, b, g, parts, scale, sums, acc, qs, n_parts)
 
     def codegen(context, builder, signature, args):
         vnni = has_vnni()
-        w_v, at_v, stride_v, parts_v, x_at_v, out_v, out_at_v, _ = args
-        w_t, parts_t, out_t = signature.args[0], signature.args[3], signature.args[5]
-        at_v, stride_v, x_at_v, out_at_v = (
-            context.cast(builder, v, signature.args[i], types.intp)
-            for v, i in ((at_v, 1), (stride_v, 2), (x_at_v, 4), (out_at_v, 6)))
+        w_v, b_v, g_v, parts_v, scale_v, sums_v, acc_v = args[:7]
+        w_t, _, _, parts_t, scale_t, sums_t, acc_t = signature.args[:7]
+        b_v = context.cast(builder, b_v, signature.args[1], types.intp)
+        g_v = context.cast(builder, g_v, signature.args[2], types.intp)
 
         def shape(array_type, array) -> list[ir.Value]:
             struct = context.make_array(array_type)(context, builder, array)
             return cgutils.unpack_tuple(builder, struct.shape)
 
+        _, type_size, lanes = shape(w_t, w_v)
         rows, _, cols = shape(parts_t, parts_v)
-        out_cols = shape(out_t, out_v)[1]
-        vector, quad_type = ir.VectorType(_INT, LANES), ir.VectorType(_BYTE, 4 * LANES)
-        floats = ir.VectorType(ir.FloatType(), LANES)
+        blocks = shape(scale_t, scale_v)[1]
+        acc_width = shape(acc_t, acc_v)[1]
+        ints, floats = ir.VectorType(_INT, LANES), ir.VectorType(ir.FloatType(), LANES)
+        bytes16, bytes64 = ir.VectorType(_BYTE, LANES), ir.VectorType(_BYTE, 4 * LANES)
+
+        def const(value: int) -> ir.Constant:
+            return ir.Constant(lanes.type, value)
+
+        block_first = builder.mul(b_v, builder.mul(type_size, lanes))
+
+        def tile_bytes(byte_row: int, offset: ir.Value, vector: ir.Type) -> ir.Value:
+            """The tile's bytes from byte row `byte_row` of block b, `offset` bytes in."""
+            at = builder.add(block_first, builder.add(builder.mul(lanes, const(byte_row)), offset))
+            return builder.load(_pointer(context, builder, w_t, w_v, at, vector), align=1)
+
+        def half_lanes(byte_row: int) -> ir.Value:
+            """The f16 whose low byte is in row byte_row (high byte in the next), for lanes g..g+15."""
+            short = ir.VectorType(_SHORT, LANES)
+            low = builder.zext(tile_bytes(byte_row, g_v, bytes16), short)
+            high = builder.zext(tile_bytes(byte_row + 1, g_v, bytes16), short)
+            bits = builder.or_(low, builder.shl(high, _constant(_SHORT, [8] * LANES)))
+            return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), floats)
+
+        d = half_lanes(0)
+        m = half_lanes(2) if nibbles_at == 4 else builder.fmul(d, ir.Constant(floats, [-8.0] * LANES))
         low_mask, shift = _constant(_BYTE, [15] * 4 * LANES), _constant(_BYTE, [4] * 4 * LANES)
         nibbles = []  # (16 rows' 4 bytes as <16 x i32>, the first of the 4 values they hold)
         for k in range(4):
-            offset = builder.add(at_v, builder.mul(stride_v, ir.Constant(stride_v.type, k)))
-            quad = builder.load(_pointer(context, builder, w_t, w_v, offset, quad_type), align=1)
+            quad = tile_bytes(nibbles_at + 4 * k, builder.mul(g_v, const(4)), bytes64)
             high = builder.and_(builder.lshr(quad, shift), low_mask)
-            nibbles.append((builder.bitcast(builder.and_(quad, low_mask), vector), 4 * k))
-            nibbles.append((builder.bitcast(high, vector), 16 + 4 * k))
+            nibbles.append((builder.bitcast(builder.and_(quad, low_mask), ints), 4 * k))
+            nibbles.append((builder.bitcast(high, ints), 16 + 4 * k))
 
         with cgutils.for_range(builder, rows) as loop:
-            row_first = builder.mul(loop.index, builder.mul(cols, ir.Constant(cols.type, count)))
+            i = loop.index
+            row_parts = builder.mul(i, builder.mul(cols, ir.Constant(cols.type, count)))
+            x_at = builder.mul(b_v, ir.Constant(b_v.type, 32))
 
             def broadcast_x(part: int, value: int) -> ir.Value:
-                """Values value..value+3 of the block's part `part` of this row, in every lane."""
-                flat = builder.add(builder.add(row_first, builder.mul(cols, ir.Constant(cols.type, part))),
-                                   builder.add(x_at_v, ir.Constant(x_at_v.type, value)))
-                word = builder.load(_pointer(context, builder, parts_t, parts_v, flat, _INT), align=1)
-                first = builder.insert_element(ir.Constant(vector, ir.Undefined), word, ir.Constant(_INT, 0))
-                return builder.shuffle_vector(first, first, _constant(_INT, [0] * LANES))
+                """Values value..value+3 of the block's part `part` of row i, in every lane."""
+                flat = builder.add(builder.add(row_parts, builder.mul(cols, ir.Constant(cols.type, part))),
+                                   builder.add(x_at, ir.Constant(x_at.type, value)))
+                return _splat(builder, builder.load(_pointer(context, builder, parts_t, parts_v, flat, _INT),
+                                                    align=1))
 
-            sums = [ir.Constant(vector, [0] * LANES) for _ in range(count)]
+            totals = [ir.Constant(ints, [0] * LANES) for _ in range(count)]
             for part in range(count):
                 for values, value in nibbles:
-                    sums[part] = _dot_bytes(builder, sums[part], values, broadcast_x(part, value), vnni)
+                    totals[part] = _dot_bytes(builder, totals[part], values, broadcast_x(part, value), vnni)
 
             def pair(first: ir.Value, second: ir.Value) -> ir.Value:  # first * 2^7 + second, exact as a float
                 joined = builder.add(builder.shl(first, _constant(_INT, [PART_BITS] * LANES)), second)
                 return builder.sitofp(joined, floats)
 
             if count == 1:
-                total = builder.sitofp(sums[0], floats)
+                total = builder.sitofp(totals[0], floats)
             else:
-                scale = ir.Constant(floats, [float(1 << 2 * PART_BITS)] * LANES)
-                total = builder.fadd(builder.fmul(pair(sums[0], sums[1]), scale), pair(sums[2], sums[3]))
-            cell = builder.add(builder.mul(loop.index, out_cols), out_at_v)
-            builder.store(total, _pointer(context, builder, out_t, out_v, cell, floats), align=4)
+                weight = ir.Constant(floats, [float(1 << 2 * PART_BITS)] * LANES)
+                high = builder.fmul(pair(totals[0], totals[1]), weight)
+                total = builder.fadd(high, pair(totals[2], totals[3]))
+            cell = builder.add(builder.mul(i, blocks), b_v)
+            row_scale = builder.load(_pointer(context, builder, scale_t, scale_v, cell, ir.FloatType()))
+            row_sum = builder.load(_pointer(context, builder, sums_t, sums_v, cell, ir.FloatType()))
+            cell = builder.add(builder.mul(i, acc_width), g_v)
+            target = _pointer(context, builder, acc_t, acc_v, cell, floats)
+            added = builder.fadd(builder.fmul(d, builder.fmul(_splat(builder, row_scale), total)),
+                                 builder.fmul(m, _splat(builder, row_sum)))
+            builder.store(builder.fadd(builder.load(target, align=4), added), target, align=4)
         return context.get_dummy_value()
 
     return sig, codegen
-

@@ -36,7 +36,7 @@ from numba.extending import intrinsic, overload
 from inferno.errors import InfernoError
 from inferno.jit import njit
 from inferno.kernels import float_from_bits
-from inferno.nibble_dots import ACTIVATIONS, PARTS, nibble_sums, split_activations
+from inferno.nibble_dots import ACTIVATIONS, PARTS, nibble_dots, split_activations
 from inferno.nibble_dots import LANES as NIBBLE_LANES
 
 TILE_ROWS = 32  # lanes per tile: full SIMD loops, yet enough tiles to share small matrices between threads
@@ -567,23 +567,13 @@ def _dot_q6_k(w, x, xs, acc, s):
 
 
 @njit(cache=True, fastmath=True)
-def _dot_nibbles(w, parts, scale, xs, acc, sums, dm, qs, n_parts):
+def _dot_nibbles(w, parts, scale, xs, acc, qs, n_parts):
     """acc[i, lane] += row lane of tile w (Q4_0: qs = 2, Q4_1: qs = 4) . x_i for each row i of x, from
-    x_i's n_parts int8 parts (a compile-time constant) and each block's scale and sum
-    (inferno.nibble_dots): parts [rows, n_parts, cols], scale and xs [rows, blocks], sums [rows,
-    lanes] and dm [2, lanes] scratch. A block's nibbles are split, and its d and m converted, once
-    for all rows."""
-    lanes = acc.shape[1]
+    x_i's n_parts int8 parts and each block's scale and sum (inferno.nibble_dots): parts [rows,
+    n_parts, cols], scale and xs [rows, blocks]; qs and n_parts compile-time constants."""
     for b in range(w.shape[0]):
-        first = (b * w.shape[1] + qs) * lanes
-        for g in range(0, lanes, NIBBLE_LANES):
-            nibble_sums(w, first + 4 * g, 4 * lanes, parts, 32 * b, sums, g, n_parts)
-        for r in range(lanes):
-            d = _f16(w, b, 0, r)
-            dm[0, r], dm[1, r] = d, _f16(w, b, 2, r) if qs == 4 else np.float32(-8) * d
-        for i in range(acc.shape[0]):
-            for r in range(lanes):
-                acc[i, r] += dm[0, r] * (scale[i, b] * sums[i, r]) + dm[1, r] * xs[i, b]
+        for g in range(0, acc.shape[1], NIBBLE_LANES):
+            nibble_dots(w, b, g, parts, scale, xs, acc, qs, n_parts)
 
 
 _DOT = {Q8_0: _dot_q8_0, Q5_0: _dot_q5_0, Q4_K: _dot_q4_k, Q6_K: _dot_q6_k}
@@ -611,8 +601,8 @@ def _dequantize_tile_impl(kind, w, r0, r1, out):
 def _tile_dot(kind, w, x, xq, acc, work, n_parts):
     """acc = tile w @ x (dispatch stub, resolved by the overload below). xq: what every tile uses of x
     (its block sums; for the 4-bit types its int8 parts and block scales); work: one thread's
-    scratch (float32[4, lanes], float32[1, lanes], and for unfused types float32[cols, lanes]); n_parts:
-    how many int8 parts x is split into (the 4-bit types)."""
+    scratch (float32[4, lanes], and for unfused types float32[cols, lanes]); n_parts: how many int8
+    parts x is split into (the 4-bit types)."""
     raise NotImplementedError
 
 
@@ -625,7 +615,7 @@ def _tile_dot_impl(kind, w, x, xq, acc, work, n_parts):
             _zero(acc)
             xs, parts, scale = xq
             _dot_nibbles(w, parts.reshape(1, parts.shape[0], parts.shape[1]), scale.reshape(1, scale.size),
-                         xs.reshape(1, xs.size), acc.reshape(1, acc.size), work[1], work[0], qs, count)
+                         xs.reshape(1, xs.size), acc.reshape(1, acc.size), qs, count)
 
         return integer
     if kind.literal_value in _DOT:
@@ -639,7 +629,7 @@ def _tile_dot_impl(kind, w, x, xq, acc, work, n_parts):
     deq = _DEQUANTIZE[kind.literal_value]
 
     def dequantized(kind, w, x, xq, acc, work, n_parts):
-        scratch = work[2]
+        scratch = work[1]
         deq(w, 0, acc.size, scratch)
         _zero(acc)
         for c in range(x.size):
@@ -670,7 +660,7 @@ def _matvec(kind: int, n_parts: int) -> Callable:
         nchunks = min(ntiles, nchunks)
         for c in prange(nchunks):  # one run of tiles per thread, so scratch is allocated once per thread
             acc = np.empty(lanes, np.float32)
-            work = (np.empty((4, lanes), np.float32), np.empty((1, lanes), np.float32),
+            work = (np.empty((4, lanes), np.float32),
                     np.empty((0 if fused else x.size, lanes), np.float32))
             for t in range(c * ntiles // nchunks, (c + 1) * ntiles // nchunks):
                 _tile_dot(kind, tiles[t], x, (xs, parts, scale), acc, work, n_parts)

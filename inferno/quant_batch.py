@@ -207,11 +207,10 @@ def _nibbles_kernel(kind: int, n_parts: int) -> Callable:
             split_activations(x[i], parts[i], scale[i], xs[i])
         nchunks = min(ntiles, nchunks)
         for c in prange(nchunks):  # one run of tiles per thread
-            acc, sums = np.empty((n_rows, lanes), np.float32), np.empty((n_rows, lanes), np.float32)
-            dm = np.empty((2, lanes), np.float32)
+            acc = np.empty((n_rows, lanes), np.float32)
             for t in range(c * ntiles // nchunks, (c + 1) * ntiles // nchunks):
                 acc[:] = 0.0
-                _dot_nibbles(tiles[t], parts, scale, xs, acc, sums, dm, qs, n_parts)
+                _dot_nibbles(tiles[t], parts, scale, xs, acc, qs, n_parts)
                 for i in range(n_rows):
                     for r in range(min(lanes, out.shape[1] - t * lanes)):
                         out[i, t * lanes + r] = acc[i, r]

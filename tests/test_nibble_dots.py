@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from inferno import nibble_dots
+from inferno import nibble_dots as module
 from inferno.jit import njit
-from inferno.nibble_dots import ACTIVATIONS, LANES, PART_BITS, PARTS, has_vnni, nibble_sums, split_activations
+from inferno.nibble_dots import ACTIVATIONS, LANES, PART_BITS, PARTS, has_vnni, nibble_dots, split_activations
 
 
 def activations(rng: np.random.Generator) -> np.ndarray:
@@ -63,33 +63,53 @@ def nibble_reference(quads: np.ndarray, parts: np.ndarray) -> np.ndarray:
     return sum(s[:, :, i] << PART_BITS * (n - 1 - i) for i in range(n)).astype(np.float32)
 
 
-def compile_sums(n_parts: int):
+def compile_dots(n_parts: int):
     """A fresh (uncached) caller, so the intrinsic is generated again under the current has_vnni."""
     @njit(cache=False)
-    def sums_of(w, parts, out):
-        nibble_sums(w, 0, 4 * LANES, parts, 0, out, 0, n_parts)
+    def dots(w, parts, scale, sums, acc):
+        nibble_dots(w, 0, 0, parts, scale, sums, acc, 4, n_parts)  # block 0, lanes 0..15, Q4_1
 
-    return sums_of
+    return dots
+
+
+def q4_1_tile(quads: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """One block of 16 Q4_1 rows as a tile: uint8[1 block, 20 bytes, 16 lanes], d and m halves first."""
+    w = np.empty((1, 20, LANES), np.uint8)
+    w[0, 0:2] = d.astype(np.float16).view(np.uint8).reshape(LANES, 2).T
+    w[0, 2:4] = m.astype(np.float16).view(np.uint8).reshape(LANES, 2).T
+    w[0, 4:] = quads.reshape(-1).reshape(16, LANES)  # quads [4, lane, 4] laid flat, as tiles hold them
+    return w
 
 
 @pytest.mark.parametrize("n_parts", sorted(set(ACTIVATIONS.values())))
 @pytest.mark.parametrize("vnni", [True, False], ids=["vpdpbusd", "plain-ir"])
-def test_nibble_sums_are_exact_integers(monkeypatch, vnni, n_parts):
-    """Three activation rows against one block of 16 weight rows, every part count a mode uses."""
+def test_nibble_dots_are_exact_integer_sums_scaled_per_row(monkeypatch, vnni, n_parts):
+    """Three activation rows against one block of 16 weight rows, every part count a mode uses: with
+    d = 1, m = 0 and unit scales the sums come out exactly; with real ones, to float32 rounding."""
     if vnni and not has_vnni():
         pytest.skip("this CPU has no AVX512-VNNI")
-    monkeypatch.setattr(nibble_dots, "has_vnni", lambda: vnni)
+    monkeypatch.setattr(module, "has_vnni", lambda: vnni)
     rng = np.random.default_rng(1)
     quads = rng.integers(0, 256, (4, LANES, 4), dtype=np.uint8)
     quads[0, 0] = 255  # the largest nibbles against the largest parts: the sum's extreme
     x = activations(rng)
     parts = np.stack([split(x[32 * r : 32 * r + 32], n_parts)[0] for r in (0, 3, 4)])
     parts[0, :, :4] = -127
-    out = np.zeros((3, LANES), np.float32)
-    sums_of = compile_sums(n_parts)
-    sums_of(quads, parts, out)
-    assert np.array_equal(out, nibble_reference(quads, parts))
-    asm = sums_of.inspect_asm(sums_of.signatures[0])
+    dots = compile_dots(n_parts)
+    acc = np.zeros((3, LANES), np.float32)
+    dots(q4_1_tile(quads, np.ones(LANES), np.zeros(LANES)), parts, np.ones((3, 1), np.float32),
+         np.zeros((3, 1), np.float32), acc)
+    exact = nibble_reference(quads, parts)
+    assert np.array_equal(acc, exact)
+    d, m = rng.uniform(-0.1, 0.1, LANES), rng.uniform(-1, 1, LANES)
+    scale = rng.uniform(0, 1e-4, (3, 1)).astype(np.float32)
+    sums = rng.standard_normal((3, 1)).astype(np.float32)
+    acc = np.ones((3, LANES), np.float32)
+    dots(q4_1_tile(quads, d, m), parts, scale, sums, acc)
+    d, m = d.astype(np.float16).astype(np.float64), m.astype(np.float16).astype(np.float64)
+    want = 1 + d * scale * exact.astype(np.float64) + m * sums
+    np.testing.assert_allclose(acc, want, rtol=1e-6, atol=1e-6)
+    asm = dots.inspect_asm(dots.signatures[0])
     assert ("vpdpbusd" in asm) == vnni
 
 
