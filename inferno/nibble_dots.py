@@ -5,15 +5,16 @@ Why integers. In float, every nibble is widened and converted before its multipl
 dot product (AVX512-VNNI's vpdpbusd: 64 unsigned bytes times 64 signed bytes, each group of four
 products added into one of 16 int32 lanes) does the work of 64 of them in one instruction.
 
-The activations. Each block of 32 values of x is written as s * (a0 + a1 / 2^7 + a2 / 2^14 + a3 / 2^21),
-with int8 parts a_i and s = max|x| / 127 (`split_activations`): a0 is x / s rounded, a1 the rounded
-remainder times 2^7, and so on. What is left is s / 2^22 = max|x| * 2^-29 per value at most, plus
-the float32 rounding of x / s itself (2^-24 of each value): float32's own precision. Three parts
+The activations. Each block of 32 values of x is written as s * (a0 + a1/2^7 + a2/2^14 + a3/2^21),
+with int8 parts a_i and s = max|x| / 127 (`split_activations`): x / s * 2^21 is rounded to an integer
+once, whose balanced base-2^7 digits are a3, a2, a1 (each in -64..63) and a0 what is left (-127..127).
+What is left is s / 2^22 = max|x| * 2^-29 per value at most, plus the float32 rounding of x / s
+itself (2^-24 of each value): float32's own precision. Three parts
 (max|x| * 2^-22) were not enough: a block with one large value and many small ones left the small
 ones a relative error near 1e-3, and logits moved by 2e-4 against the float path. A block whose
-largest value is under 2^-100 (far from anything a layer's activations hold; its scale would lose
-bits) splits into zeros: its dot with the nibbles counts as 0, off by less than 2^-90 times the
-block's weights.
+largest value is under 2^-90 (far from anything a layer's activations hold; its scale would lose
+bits) splits into zeros: its dot with the nibbles counts as 0, off by less than 2^-85 times the
+block's largest weight.
 
 Per block and row, S_i = sum(q * a_i) over the 32 nibbles q are exact int32 sums (|S_i| <= 32 * 15
 * 127 = 60,960), and so are S0 * 2^7 + S1 and S2 * 2^7 + S3 (under 2^23, exact in float32 too): the
@@ -48,7 +49,7 @@ PARTS = 4  # int8 parts per activation: float32's precision, the default
 # `kv-bench --fidelity --activations` measures.
 ACTIVATIONS = {"f32": PARTS, "int8": 1}
 PART_BITS = 7  # each part after the first weighs 2^-7 of the one before
-TINY = np.float32(2.0**-100)  # blocks whose largest value is smaller split into zeros (see the docstring)
+TINY = np.float32(2.0**-90)  # blocks whose largest value is smaller split into zeros (see the docstring)
 _BYTE, _SHORT, _INT = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 
 
@@ -62,7 +63,9 @@ def split_activations(x, parts, scale, sums):
     """x float32[cols] (whole blocks of 32) -> parts int8[n, cols] (n = 1..PARTS), scale float32[blocks]
     (s / 2^(7 (n - 1)), what multiplies a block's combined sum) and sums float32[blocks] (each block's
     sum of x, which Q4_1's minimum and Q4_0's offset of 8 multiply)."""
-    weight = np.float32(1 << PART_BITS)
+    bits = PART_BITS * (parts.shape[0] - 1)
+    digit, half = 1 << PART_BITS, 1 << (PART_BITS - 1)
+    fixed = np.empty(32, np.int32)  # the block's values in units of the last part
     for b in range(x.size // 32):
         top, total = np.float32(0), np.float32(0)
         for j in range(32):
@@ -71,13 +74,18 @@ def split_activations(x, parts, scale, sums):
         sums[b] = total
         s = top / np.float32(127)
         inverse = np.float32(1) / s if top >= TINY else np.float32(0)
-        scale[b] = s / np.float32(1 << (PART_BITS * (parts.shape[0] - 1)))
+        scale[b] = s / np.float32(1 << bits)
+        # round(x / s * 2^bits) once, then peel balanced base-2^7 digits off in integers: the same sum
+        # as rounding part after part in float, and the loops over 32 values vectorize
         for j in range(32):
-            v = x[32 * b + j] * inverse
-            for p in range(parts.shape[0]):
-                a = np.round(v)
-                parts[p, 32 * b + j] = np.int8(a)
-                v = (v - a) * weight
+            fixed[j] = np.int32(np.round(x[32 * b + j] * (inverse * np.float32(1 << bits))))
+        for p in range(parts.shape[0] - 1, 0, -1):
+            for j in range(32):
+                low = ((fixed[j] + half) & (digit - 1)) - half
+                parts[p, 32 * b + j] = np.int8(low)
+                fixed[j] = (fixed[j] - low) >> PART_BITS
+        for j in range(32):
+            parts[0, 32 * b + j] = np.int8(fixed[j])
 
 
 def _constant(element: ir.Type, values: list[int]) -> ir.Constant:
@@ -196,9 +204,9 @@ def nibble_dots(typingctx, w, b, g, parts, scale, sums, acc, qs, n_parts):
                 return _splat(builder, builder.load(_pointer(context, builder, parts_t, parts_v, flat, _INT),
                                                     align=1))
 
-            totals = [ir.Constant(ints, [0] * LANES) for _ in range(count)]
-            for part in range(count):
-                for values, value in nibbles:
+            totals = [ir.Constant(ints, [0] * LANES)] * count
+            for values, value in nibbles:  # the parts' independent chains interleaved
+                for part in range(count):
                     totals[part] = _dot_bytes(builder, totals[part], values, broadcast_x(part, value), vnni)
 
             def pair(first: ir.Value, second: ir.Value) -> ir.Value:  # first * 2^7 + second, exact as a float
