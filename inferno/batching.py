@@ -64,6 +64,7 @@ class BatchRun:
     steps: int = 0
     peak_cache_bytes: int = 0  # of blocks held, a shared block counted once
     start_cache_bytes: int = 0  # held when the first decode step began (N samples: the prompt, once)
+    activations: str = "f32"  # how the model's matrix-vector products took activations
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -78,7 +79,8 @@ class BatchRun:
                 "peak_cache_bytes": self.peak_cache_bytes, "pool_bytes": self.pool.nbytes,
                 "block_size": self.pool.block_size,
                 "reused_tokens": sum(c.reused_tokens for c in self.completions),
-                "prompt_tokens": sum(len(c.prompt_ids) for c in self.completions)}
+                "prompt_tokens": sum(len(c.prompt_ids) for c in self.completions),
+                "activations": self.activations}
 
 
 def pool_for(geometry: KVGeometry, requests: Sequence[Request], max_batch: int, block_size: int) -> BlockPool:
@@ -90,7 +92,7 @@ def pool_for(geometry: KVGeometry, requests: Sequence[Request], max_batch: int, 
 def run(model: Transformer, requests: Sequence[Request], pool: BlockPool, start: Start, max_batch: int,
         on_token: Callable[[int, Completion], None] | None = None) -> BatchRun:
     """Generate every request, up to max_batch at a time; on_token(index, completion) after each token."""
-    result = BatchRun([None] * len(requests), pool)  # type: ignore[list-item]
+    result = BatchRun([None] * len(requests), pool, activations=model.activations)  # type: ignore[list-item]
     queue = deque(enumerate(requests))
     live: list[tuple[int, Request, PagedKVCache, Completion]] = []
     t0 = perf_counter()

@@ -250,6 +250,9 @@ def test_int8_activations_cost_measured_and_reported(run_main, engine, model_pat
     assert json.loads(out)["metrics"]["activations"] == "int8"
     code, out, _ = run_main(main, "model-generate", *args)
     assert json.loads(out)["metrics"]["activations"] == "f32"
+    code, out, err = run_main(main, "model-generate", "--num-samples", "2", "--activations", "int8", *args)
+    assert code == 0, err
+    assert json.loads(out)["metrics"]["activations"] == "int8"  # batched decoding reports it too
     code, _, err = run_main(main, "model-generate", "--activations", "q4", *args)
     assert code == 2 and err.count("\n") == 1 and "--activations 'q4': expected one of f32, int8" in err
 

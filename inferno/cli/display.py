@@ -103,9 +103,12 @@ def bench_table(rows: dict[str, dict], prompt_tokens: int, new_tokens: int, wind
     return table
 
 
-def sweep_table(rows: list[dict], prompt_tokens: int, new_tokens: int, block_size: int) -> Table:
+def sweep_table(rows: list[dict], prompt_tokens: int, new_tokens: int, block_size: int,
+                activations: str = "f32") -> Table:
     title = (f"batch sweep: {prompt_tokens}-token prompt prefilled once, B sequences x {new_tokens} "
              f"greedy tokens, blocks of {block_size}")
+    if activations != "f32":
+        title += f", {activations} activations"
     table = Table(title=title, title_justify="left")
     for name in ("B", "decode tok/s", "per seq tok/s", "step ms", "prompt K/V", "peak cache", "unshared"):
         table.add_column(name, justify="right")

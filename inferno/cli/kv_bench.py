@@ -161,13 +161,13 @@ def report_sweep(engine, prompt_ids: list[int], new_tokens: int, sizes: list[int
     rows = batch_sweep(engine, prompt_ids, new_tokens, sizes, block_size)
     if as_json:
         json.dump({"prompt_tokens": len(prompt_ids), "new_tokens": new_tokens, "block_size": block_size,
-                   "sweep": rows}, sys.stdout)
+                   "activations": engine.model.activations, "sweep": rows}, sys.stdout)
         print()
         return
     from inferno.cli.display import sweep_table
 
     out = console()
-    out.print(sweep_table(rows, len(prompt_ids), new_tokens, block_size))
+    out.print(sweep_table(rows, len(prompt_ids), new_tokens, block_size, engine.model.activations))
     same = all(r["identical_tokens"] for r in rows)
     out.print("every sequence of every batch generated the same tokens" if same
               else "[bold red]sequences of one batch generated different tokens[/]")
