@@ -1,5 +1,6 @@
 """Dot products of 4-bit weights with float32 activations in integer arithmetic, exact to float32's
-own rounding: the inner loop of the Q4_0 and Q4_1 matrix-vector products.
+own rounding: the inner loop of the Q4_0 and Q4_1 matrix-vector products (and of Q8_0's when the
+activations are rounded to int8, `--activations int8`).
 
 Why integers. In float, every nibble is widened and converted before its multiply-add; the CPU's byte
 dot product (AVX512-VNNI's vpdpbusd: 64 unsigned bytes times 64 signed bytes, each group of four
@@ -24,6 +25,12 @@ The weights. vpdpbusd takes four consecutive bytes of a row from one 32-bit lane
 row's 16 nibble bytes as four 4-byte words: the quads of `inferno.quant`'s Layout. Byte i of quad k
 holds values 4k + i (low nibble) and 16 + 4k + i (high nibble).
 
+Q8_0 tiles keep each value's bytes side by side across lanes (its float path reads them so); the
+integer dot shuffles four values' bytes into quads, and adds 128 to each (vpdpbusd's first operand is
+unsigned), taking 128 times the part's block sum back afterwards. It is used with one part only: with
+four, the integer path would cost as many multiplies as float32 and Q8_0 reads at memory speed
+already.
+
 CPUs without AVX512-VNNI get the same sums written as widening multiplies in plain LLVM IR, which
 every target compiles (slower, same integers). Which one is built is decided from the CPU features
 Numba compiles for, the same ones its kernel cache is keyed by.
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from gguf import GGMLQuantizationType as QType
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -88,6 +96,16 @@ def split_activations(x, parts, scale, sums):
             parts[0, 32 * b + j] = np.int8(fixed[j])
 
 
+@njit(cache=True)
+def first_part_sums(parts, out):
+    """out[b] = the sum of block b's values of part 0 (what Q8_0's integer dots take back)."""
+    for b in range(out.size):
+        total = 0
+        for j in range(32):
+            total += np.int32(parts[0, 32 * b + j])
+        out[b] = np.float32(total)
+
+
 def _constant(element: ir.Type, values: list[int]) -> ir.Constant:
     return ir.Constant(ir.VectorType(element, len(values)), values)
 
@@ -124,27 +142,36 @@ def _splat(builder, value: ir.Value) -> ir.Value:
     return builder.shuffle_vector(first, first, _constant(_INT, [0] * LANES))
 
 
+_NIBBLES_AT = {int(QType.Q4_0): 2, int(QType.Q4_1): 4}  # where a 4-bit block's nibble quads start
+_Q8_0 = int(QType.Q8_0)
+
+
 @intrinsic
-def nibble_dots(typingctx, w, b, g, parts, scale, sums, acc, qs, n_parts):
-    """acc[i, g + l] += d_l * scale[i, b] * D_il + m_l * sums[i, b] for the 16 weight rows g + l of
-    block b of tile w (uint8[block, byte, lane]) and every activation row i, where D_il is the
-    combined integer dot of the row's nibbles with parts[i] (int8[rows, n_parts, cols]):
-    (S0 * 2^7 + S1) * 2^14 + S2 * 2^7 + S3 for four parts, S0 for one, S_p summing nibble * part p
-    over the block's 32 values. d_l and m_l are the row's f16 scale and minimum (Q4_1, qs = 4; Q4_0,
-    qs = 2, has m = -8 d). The block's nibbles are split, and d and m converted, once for all
-    activation rows. qs and n_parts (1 or 4) are compile-time constants; all arrays C-contiguous."""
+def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, kind, n_parts):
+    """acc[i, g + l] += what weight row g + l of block b of tile w (uint8[block, byte, lane]) adds to
+    the product with every activation row i, for 16 rows l, from the integer dots of the block's
+    weights with parts[i] (int8[rows, n_parts, cols]); kind (the GGML type) and n_parts are
+    compile-time constants, all arrays C-contiguous.
+
+    Q4_0, Q4_1 (n_parts 1 or 4): d_l * scale[i, b] * D_il + m_l * sums[i, b], with D_il the combined
+    dot, (S0 * 2^7 + S1) * 2^14 + S2 * 2^7 + S3 for four parts or S0 for one (S_p: nibble * part p
+    over the block's 32 values), d_l and m_l the row's f16 scale and minimum (Q4_0: m = -8 d) and
+    sums[i, b] the block's sum of x_i.
+    Q8_0 (n_parts 1): d_l * scale[i, b] * (S'_il - 128 * sums[i, b]), with S' summing (byte + 128) *
+    part 0, the unsigned operand vpdpbusd needs, and sums[i, b] the block's sum of part 0. Its tiles
+    keep each value's bytes side by side across lanes; a shuffle makes the 4-byte quads.
+    The block's weights are unpacked, and d and m converted, once for all activation rows."""
     arrays = (w, parts, scale, sums, acc)
     if not all(isinstance(a, types.Array) and a.layout == "C" for a in arrays):
         return None
     if (w.ndim, parts.ndim, scale.ndim, sums.ndim, acc.ndim) != (3, 3, 2, 2, 2):
         return None
-    literals = (qs, n_parts)
-    if not all(isinstance(v, types.IntegerLiteral) for v in literals):
+    if not all(isinstance(v, types.IntegerLiteral) for v in (kind, n_parts)):
         return None
-    nibbles_at, count = qs.literal_value, n_parts.literal_value
-    if nibbles_at not in (2, 4) or count not in ACTIVATIONS.values():
+    kind_, count = kind.literal_value, n_parts.literal_value
+    if not ((kind_ in _NIBBLES_AT and count in ACTIVATIONS.values()) or (kind_ == _Q8_0 and count == 1)):
         return None
-    sig = types.void(w, b, g, parts, scale, sums, acc, qs, n_parts)
+    sig = types.void(w, b, g, parts, scale, sums, acc, kind, n_parts)
 
     def codegen(context, builder, signature, args):
         vnni = has_vnni()
@@ -183,14 +210,27 @@ def nibble_dots(typingctx, w, b, g, parts, scale, sums, acc, qs, n_parts):
             return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), floats)
 
         d = half_lanes(0)
-        m = half_lanes(2) if nibbles_at == 4 else builder.fmul(d, ir.Constant(floats, [-8.0] * LANES))
-        low_mask, shift = _constant(_BYTE, [15] * 4 * LANES), _constant(_BYTE, [4] * 4 * LANES)
-        nibbles = []  # (16 rows' 4 bytes as <16 x i32>, the first of the 4 values they hold)
-        for k in range(4):
-            quad = tile_bytes(nibbles_at + 4 * k, builder.mul(g_v, const(4)), bytes64)
-            high = builder.and_(builder.lshr(quad, shift), low_mask)
-            nibbles.append((builder.bitcast(builder.and_(quad, low_mask), ints), 4 * k))
-            nibbles.append((builder.bitcast(high, ints), 16 + 4 * k))
+        weights = []  # (16 rows' 4 unsigned bytes as <16 x i32>, the first of the 4 values they hold)
+        if kind_ == _Q8_0:
+            m = None
+            offset = _constant(_BYTE, [128] * 4 * LANES)
+            for k in range(8):  # values 4k..4k+3, one byte row each, interleaved into quads
+                four = [tile_bytes(2 + 4 * k + v, g_v, bytes16) for v in range(4)]
+                pairs = [builder.shuffle_vector(four[v], four[v + 1], _constant(_INT, list(range(32))))
+                         for v in (0, 2)]
+                joined = builder.shuffle_vector(pairs[0], pairs[1], _constant(_INT, list(range(64))))
+                quad = builder.shuffle_vector(joined, joined, _constant(
+                    _INT, [16 * v + lane for lane in range(LANES) for v in range(4)]))
+                weights.append((builder.bitcast(builder.add(quad, offset), ints), 4 * k))
+        else:
+            nibbles_at = _NIBBLES_AT[kind_]
+            m = half_lanes(2) if nibbles_at == 4 else builder.fmul(d, ir.Constant(floats, [-8.0] * LANES))
+            low_mask, shift = _constant(_BYTE, [15] * 4 * LANES), _constant(_BYTE, [4] * 4 * LANES)
+            for k in range(4):
+                quad = tile_bytes(nibbles_at + 4 * k, builder.mul(g_v, const(4)), bytes64)
+                high = builder.and_(builder.lshr(quad, shift), low_mask)
+                weights.append((builder.bitcast(builder.and_(quad, low_mask), ints), 4 * k))
+                weights.append((builder.bitcast(high, ints), 16 + 4 * k))
 
         with cgutils.for_range(builder, rows) as loop:
             i = loop.index
@@ -205,7 +245,7 @@ def nibble_dots(typingctx, w, b, g, parts, scale, sums, acc, qs, n_parts):
                                                     align=1))
 
             totals = [ir.Constant(ints, [0] * LANES)] * count
-            for values, value in nibbles:  # the parts' independent chains interleaved
+            for values, value in weights:  # the parts' independent chains interleaved
                 for part in range(count):
                     totals[part] = _dot_bytes(builder, totals[part], values, broadcast_x(part, value), vnni)
 
@@ -220,12 +260,18 @@ def nibble_dots(typingctx, w, b, g, parts, scale, sums, acc, qs, n_parts):
                 high = builder.fmul(pair(totals[0], totals[1]), weight)
                 total = builder.fadd(high, pair(totals[2], totals[3]))
             cell = builder.add(builder.mul(i, blocks), b_v)
-            row_scale = builder.load(_pointer(context, builder, scale_t, scale_v, cell, ir.FloatType()))
-            row_sum = builder.load(_pointer(context, builder, sums_t, sums_v, cell, ir.FloatType()))
+            row_scale = _splat(builder, builder.load(_pointer(context, builder, scale_t, scale_v, cell,
+                                                              ir.FloatType())))
+            row_sum = _splat(builder, builder.load(_pointer(context, builder, sums_t, sums_v, cell,
+                                                            ir.FloatType())))
+            if m is None:  # Q8_0: take back the 128 added to every weight byte (exact: both under 2^24)
+                total = builder.fsub(total, builder.fmul(row_sum, ir.Constant(floats, [128.0] * LANES)))
+                added = builder.fmul(d, builder.fmul(row_scale, total))
+            else:
+                scaled = builder.fmul(d, builder.fmul(row_scale, total))
+                added = builder.fadd(scaled, builder.fmul(m, row_sum))
             cell = builder.add(builder.mul(i, acc_width), g_v)
             target = _pointer(context, builder, acc_t, acc_v, cell, floats)
-            added = builder.fadd(builder.fmul(d, builder.fmul(_splat(builder, row_scale), total)),
-                                 builder.fmul(m, _splat(builder, row_sum)))
             builder.store(builder.fadd(builder.load(target, align=4), added), target, align=4)
         return context.get_dummy_value()
 

@@ -13,7 +13,7 @@ Arithmetic. Dequantization repeats gguf-py's float32 operations in the same orde
 fused multiply-adds) and is bit-identical to `gguf.quants.dequantize`. The matrix-vector kernels
 regroup the sums: for Q4_1, dot(x, d*q + m) over a block is d*sum(x*q) + m*sum(x), with the block
 sums of x computed once per call; the 4-bit types take sum(x*q) in integers, from x split into int8
-parts once per call (inferno.nibble_dots), the others in float32.
+parts once per call (inferno.nibble_dots; Q8_0 too when x is rounded to int8), the others in float32.
 
 Compilation. Kernels are built per GGML type on first use (see `_kernels`) and cached on disk by Numba.
 """
@@ -36,7 +36,7 @@ from numba.extending import intrinsic, overload
 from inferno.errors import InfernoError
 from inferno.jit import njit
 from inferno.kernels import float_from_bits
-from inferno.nibble_dots import ACTIVATIONS, PARTS, nibble_dots, split_activations
+from inferno.nibble_dots import ACTIVATIONS, first_part_sums, quant_dots, split_activations
 from inferno.nibble_dots import LANES as NIBBLE_LANES
 
 TILE_ROWS = 32  # lanes per tile: full SIMD loops, yet enough tiles to share small matrices between threads
@@ -57,6 +57,14 @@ Q5_0, Q5_1 = int(QType.Q5_0), int(QType.Q5_1)
 Q4_K, Q5_K, Q6_K = int(QType.Q4_K), int(QType.Q5_K), int(QType.Q6_K)
 NIBBLES_AT = {Q4_0: 2, Q4_1: 4}  # types with nibble quads (see Layout), and the byte where they start
 
+
+def integer_parts(kind: int, activations: str) -> int:
+    """How many int8 parts a matvec of this type splits x into under `activations` (see
+    nibble_dots.ACTIVATIONS); 0: it multiplies in float32. The 4-bit types always take integers (four
+    parts keep float32's precision); Q8_0 only with one part ("int8"), where they pay."""
+    parts = ACTIVATIONS[activations]
+    return parts if kind in NIBBLES_AT or (kind == Q8_0 and parts == 1) else 0
+
 _matmul_scratch = np.empty(0, np.float32)  # grown on demand, shared by all matrices
 
 
@@ -74,7 +82,7 @@ class QuantizedMatrix:
         self.nbytes = tiles.nbytes
         self._tiles = tiles
         self._kernels = _kernels(int(qtype))
-        self._matvec = _matvec(int(qtype), PARTS)
+        self._matvec = _matvec(int(qtype), integer_parts(int(qtype), "f32"))
         self._activations = "f32"
         self.parts = [(0, rows)]  # (first row, rows) of each stacked weight (see from_tensors)
         self.part_names = [name]  # the weight in each part
@@ -116,7 +124,7 @@ class QuantizedMatrix:
     @property
     def activations(self) -> str:
         """How matvec takes x (a name in nibble_dots.ACTIVATIONS): "f32", float32's precision, the
-        default; "int8", one int8 part per value (4-bit types only; the others stay float32)."""
+        default; "int8", one int8 part per value (the 4-bit types and Q8_0; the others stay float32)."""
         return self._activations
 
     @activations.setter
@@ -124,7 +132,7 @@ class QuantizedMatrix:
         if name not in ACTIVATIONS:
             raise ValueError(f"activations {name!r}: expected one of {', '.join(ACTIVATIONS)}")
         self._activations = name
-        self._matvec = _matvec(int(self.qtype), ACTIVATIONS[name] if int(self.qtype) in NIBBLES_AT else PARTS)
+        self._matvec = _matvec(int(self.qtype), integer_parts(int(self.qtype), name))
 
     @property
     def tiles(self) -> np.ndarray:
@@ -567,13 +575,13 @@ def _dot_q6_k(w, x, xs, acc, s):
 
 
 @njit(cache=True, fastmath=True)
-def _dot_nibbles(w, parts, scale, xs, acc, qs, n_parts):
-    """acc[i, lane] += row lane of tile w (Q4_0: qs = 2, Q4_1: qs = 4) . x_i for each row i of x, from
-    x_i's n_parts int8 parts and each block's scale and sum (inferno.nibble_dots): parts [rows,
-    n_parts, cols], scale and xs [rows, blocks]; qs and n_parts compile-time constants."""
+def _dot_integer(w, parts, scale, sums, acc, kind, n_parts):
+    """acc[i, lane] += row lane of tile w . x_i for each row i of x, from x_i's n_parts int8 parts, each
+    block's scale and its sums (inferno.nibble_dots.quant_dots): parts [rows, n_parts, cols], scale
+    and sums [rows, blocks]; kind and n_parts compile-time constants."""
     for b in range(w.shape[0]):
         for g in range(0, acc.shape[1], NIBBLE_LANES):
-            nibble_dots(w, b, g, parts, scale, xs, acc, qs, n_parts)
+            quant_dots(w, b, g, parts, scale, sums, acc, kind, n_parts)
 
 
 _DOT = {Q8_0: _dot_q8_0, Q5_0: _dot_q5_0, Q4_K: _dot_q4_k, Q6_K: _dot_q6_k}
@@ -600,22 +608,22 @@ def _dequantize_tile_impl(kind, w, r0, r1, out):
 
 def _tile_dot(kind, w, x, xq, acc, work, n_parts):
     """acc = tile w @ x (dispatch stub, resolved by the overload below). xq: what every tile uses of x
-    (its block sums; for the 4-bit types its int8 parts and block scales); work: one thread's
-    scratch (float32[4, lanes], and for unfused types float32[cols, lanes]); n_parts: how many int8
-    parts x is split into (the 4-bit types)."""
+    (its block sums, or for Q8_0 in integers its part sums; with integer dots its int8 parts and block
+    scales); work: one thread's scratch (float32[4, lanes], and for unfused types float32[cols,
+    lanes]); n_parts: how many int8 parts x is split into (integer_parts; 0: float32)."""
     raise NotImplementedError
 
 
 @overload(_tile_dot, prefer_literal=True)
 def _tile_dot_impl(kind, w, x, xq, acc, work, n_parts):
-    if kind.literal_value in NIBBLES_AT:
-        qs, count = NIBBLES_AT[kind.literal_value], n_parts.literal_value
+    if n_parts.literal_value:
+        type_, count = kind.literal_value, n_parts.literal_value
 
         def integer(kind, w, x, xq, acc, work, n_parts):
             _zero(acc)
-            xs, parts, scale = xq
-            _dot_nibbles(w, parts.reshape(1, parts.shape[0], parts.shape[1]), scale.reshape(1, scale.size),
-                         xs.reshape(1, xs.size), acc.reshape(1, acc.size), qs, count)
+            sums, parts, scale = xq
+            _dot_integer(w, parts.reshape(1, parts.shape[0], parts.shape[1]), scale.reshape(1, scale.size),
+                         sums.reshape(1, sums.size), acc.reshape(1, acc.size), type_, count)
 
         return integer
     if kind.literal_value in _DOT:
@@ -641,8 +649,8 @@ def _tile_dot_impl(kind, w, x, xq, acc, work, n_parts):
 
 @functools.cache
 def _matvec(kind: int, n_parts: int) -> Callable:
-    """The matvec of one type, with x split into n_parts int8 parts for the 4-bit types."""
-    fused, integer = kind in _DOT or kind in NIBBLES_AT, kind in NIBBLES_AT
+    """The matvec of one type, with x split into n_parts int8 parts (0: float32; see integer_parts)."""
+    fused, integer = kind in _DOT or n_parts > 0, n_parts > 0
 
     @njit(cache=True, parallel=True, fastmath=True)
     def matvec(tiles, x, out, nchunks):
@@ -653,6 +661,8 @@ def _matvec(kind: int, n_parts: int) -> Callable:
         scale = np.empty(nblocks if integer else 0, np.float32)
         if integer:
             split_activations(x, parts, scale, xs)
+            if kind == Q8_0:  # its dots take back 128 times the sum of each block's part
+                first_part_sums(parts, xs)
         else:
             for b in range(nblocks):
                 for j in range(32):

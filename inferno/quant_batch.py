@@ -25,8 +25,8 @@ import numpy as np
 from numba import prange
 
 from inferno.jit import njit
-from inferno.nibble_dots import ACTIVATIONS, PARTS, split_activations
-from inferno.quant import NIBBLES_AT, Q8_0, QuantizedMatrix, _dequantize_tile, _dot_nibbles, _f16
+from inferno.nibble_dots import first_part_sums, split_activations
+from inferno.quant import Q8_0, QuantizedMatrix, _dequantize_tile, _dot_integer, _f16, integer_parts
 
 GROUP_VALUES = 32  # values of a row dequantized per step: one block of the 32-value types
 
@@ -39,12 +39,11 @@ def batch_matmul(matrix: QuantizedMatrix, x: np.ndarray) -> np.ndarray:
         raise ValueError(f"{matrix.name}: batch_matmul needs x of shape (B, {matrix.cols}), got {x.shape}")
     if x.shape[0] == 1:
         return matrix.matmul(x)
-    n_rows = x.shape[0]
-    if int(matrix.qtype) == Q8_0 and n_rows % 4:  # whole groups of four rows; zero rows pad
+    n_rows, kind = x.shape[0], int(matrix.qtype)
+    n_parts = integer_parts(kind, matrix.activations)
+    if kind == Q8_0 and not n_parts and n_rows % 4:  # whole groups of four rows; zero rows pad
         x = np.concatenate([x, np.zeros((4 - n_rows % 4, x.shape[1]), np.float32)])
     out = np.empty((x.shape[0], matrix.rows), np.float32)
-    kind = int(matrix.qtype)
-    n_parts = ACTIVATIONS[matrix.activations] if kind in NIBBLES_AT else PARTS
     _batch_kernel(kind, n_parts)(matrix._tiles, x, out, numba.config.NUMBA_NUM_THREADS)
     return out[:n_rows]
 
@@ -137,11 +136,11 @@ def _four_rows_q8_0(w, x, i, acc):
 
 @functools.cache
 def _batch_kernel(kind: int, n_parts: int) -> Callable:
-    """The batched product of one type (n_parts: how many int8 parts a 4-bit type splits x into)."""
+    """The batched product of one type (n_parts: how many int8 parts x is split into, 0: float32)."""
+    if n_parts:
+        return _integer_kernel(kind, n_parts)
     if kind == Q8_0:
         return _q8_0_kernel()
-    if kind in NIBBLES_AT:
-        return _nibbles_kernel(kind, n_parts)
 
     @njit(cache=True, parallel=True, fastmath=True)
     def matmul_rows(tiles, x, out, nchunks):
@@ -192,26 +191,26 @@ def _q8_0_kernel() -> Callable:
 
 
 @functools.cache
-def _nibbles_kernel(kind: int, n_parts: int) -> Callable:
-    qs = NIBBLES_AT[kind]
-
+def _integer_kernel(kind: int, n_parts: int) -> Callable:
     @njit(cache=True, parallel=True, fastmath=True)
     def matmul_rows(tiles, x, out, nchunks):
-        """Q4_0 or Q4_1: each row of x split into int8 parts once, then, tile by tile and block by
-        block, the integer dots of inferno.quant for one row after another (the block stays in cache
-        after the first row)."""
+        """Q4_0, Q4_1 (or Q8_0 with one part): each row of x split into int8 parts once, then, tile by
+        tile and block by block, the integer dots of inferno.quant for one row after another (the
+        block stays in cache after the first row)."""
         ntiles, nblocks, lanes = tiles.shape[0], tiles.shape[1], tiles.shape[3]
         n_rows, cols = x.shape
         parts = np.empty((n_rows, n_parts, cols), np.int8)
         scale, xs = np.empty((n_rows, nblocks), np.float32), np.empty((n_rows, nblocks), np.float32)
         for i in range(n_rows):
             split_activations(x[i], parts[i], scale[i], xs[i])
+            if kind == Q8_0:  # its dots take back 128 times the sum of each block's part
+                first_part_sums(parts[i], xs[i])
         nchunks = min(ntiles, nchunks)
         for c in prange(nchunks):  # one run of tiles per thread
             acc = np.empty((n_rows, lanes), np.float32)
             for t in range(c * ntiles // nchunks, (c + 1) * ntiles // nchunks):
                 acc[:] = 0.0
-                _dot_nibbles(tiles[t], parts, scale, xs, acc, qs, n_parts)
+                _dot_integer(tiles[t], parts, scale, xs, acc, kind, n_parts)
                 for i in range(n_rows):
                     for r in range(min(lanes, out.shape[1] - t * lanes)):
                         out[i, t * lanes + r] = acc[i, r]

@@ -6,10 +6,20 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as Q
 
 from inferno import nibble_dots as module
 from inferno.jit import njit
-from inferno.nibble_dots import ACTIVATIONS, LANES, PART_BITS, PARTS, has_vnni, nibble_dots, split_activations
+from inferno.nibble_dots import (
+    ACTIVATIONS,
+    LANES,
+    PART_BITS,
+    PARTS,
+    first_part_sums,
+    has_vnni,
+    quant_dots,
+    split_activations,
+)
 
 
 def activations(rng: np.random.Generator) -> np.ndarray:
@@ -63,11 +73,11 @@ def nibble_reference(quads: np.ndarray, parts: np.ndarray) -> np.ndarray:
     return sum(s[:, :, i] << PART_BITS * (n - 1 - i) for i in range(n)).astype(np.float32)
 
 
-def compile_dots(n_parts: int):
+def compile_dots(kind: int, n_parts: int):
     """A fresh (uncached) caller, so the intrinsic is generated again under the current has_vnni."""
     @njit(cache=False)
     def dots(w, parts, scale, sums, acc):
-        nibble_dots(w, 0, 0, parts, scale, sums, acc, 4, n_parts)  # block 0, lanes 0..15, Q4_1
+        quant_dots(w, 0, 0, parts, scale, sums, acc, kind, n_parts)  # block 0, lanes 0..15
 
     return dots
 
@@ -95,7 +105,7 @@ def test_nibble_dots_are_exact_integer_sums_scaled_per_row(monkeypatch, vnni, n_
     x = activations(rng)
     parts = np.stack([split(x[32 * r : 32 * r + 32], n_parts)[0] for r in (0, 3, 4)])
     parts[0, :, :4] = -127
-    dots = compile_dots(n_parts)
+    dots = compile_dots(int(Q.Q4_1), n_parts)
     acc = np.zeros((3, LANES), np.float32)
     dots(q4_1_tile(quads, np.ones(LANES), np.zeros(LANES)), parts, np.ones((3, 1), np.float32),
          np.zeros((3, 1), np.float32), acc)
@@ -111,6 +121,31 @@ def test_nibble_dots_are_exact_integer_sums_scaled_per_row(monkeypatch, vnni, n_
     np.testing.assert_allclose(acc, want, rtol=1e-6, atol=1e-6)
     asm = dots.inspect_asm(dots.signatures[0])
     assert ("vpdpbusd" in asm) == vnni
+
+
+@pytest.mark.parametrize("vnni", [True, False], ids=["vpdpbusd", "plain-ir"])
+def test_q8_0_dots_with_one_part_are_exact(monkeypatch, vnni):
+    """Q8_0 bytes (signed, the whole range) against one int8 part: with d = 1 and a unit scale, acc
+    gets exactly sum(byte * part) for 16 rows and two activation rows."""
+    if vnni and not has_vnni():
+        pytest.skip("this CPU has no AVX512-VNNI")
+    monkeypatch.setattr(module, "has_vnni", lambda: vnni)
+    rng = np.random.default_rng(3)
+    q = rng.integers(-128, 128, (LANES, 32), dtype=np.int8)
+    q[0] = -128  # the most negative bytes against the largest parts
+    w = np.empty((1, 34, LANES), np.uint8)
+    w[0, 0:2] = np.ones(LANES, np.float16).view(np.uint8).reshape(LANES, 2).T
+    w[0, 2:] = q.view(np.uint8).T  # value j of every row side by side, as Q8_0 tiles hold them
+    x = activations(rng)
+    parts = np.stack([split(x[32 * r : 32 * r + 32], 1)[0] for r in (0, 3)])
+    parts[0, 0, :] = -127
+    sums = np.empty((2, 1), np.float32)
+    for i in range(2):
+        first_part_sums(parts[i], sums[i])
+    acc = np.zeros((2, LANES), np.float32)
+    compile_dots(int(Q.Q8_0), 1)(w, parts, np.ones((2, 1), np.float32), sums, acc)
+    want = parts[:, 0, :32].astype(np.int64) @ q.T.astype(np.int64)  # [activation rows, weight rows]
+    assert np.array_equal(acc, want.astype(np.float32))
 
 
 def test_one_part_is_int8_rounding():

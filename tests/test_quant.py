@@ -194,13 +194,13 @@ def test_stacked_weights_compute_like_separate_ones(tmp_path):
 
 
 def test_int8_activations_round_like_llama_cpp_and_leave_other_types_alone(tmp_path):
-    """activations = "int8": the 4-bit types' products take x rounded to one int8 per value (an error
-    near 1% of the block's largest value times the weights), the others stay float32; a name
-    outside ACTIVATIONS is refused."""
+    """activations = "int8": the products of the 4-bit types and Q8_0 take x rounded to one int8 per
+    value (an error under half a step, max|x|/127 of the block, times the weights), the others stay
+    float32; a name outside ACTIVATIONS is refused."""
     rng = np.random.default_rng(5)
     cols = 256
     x = rng.standard_normal(cols).astype(np.float32)
-    for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+    for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q6_K):
         blocks = make_blocks(qtype, 70, cols, rng)
         tensor = write_gguf(tmp_path / f"{qtype.name}.gguf", {"w": (qtype, blocks)})["w"]
         m = QuantizedMatrix.from_tensor(tensor)
@@ -209,7 +209,7 @@ def test_int8_activations_round_like_llama_cpp_and_leave_other_types_alone(tmp_p
         rounded = m.matvec(x)
         w = reference(tensor).astype(np.float64)
         bound = np.abs(w) @ np.repeat(np.abs(x.reshape(-1, 32)).max(axis=1), 32) / 254
-        if qtype == Q.Q8_0:
+        if qtype == Q.Q6_K:
             assert np.array_equal(rounded, exact)
         else:
             assert not np.array_equal(rounded, exact)
