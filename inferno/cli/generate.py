@@ -127,7 +127,7 @@ def _optional_values(argv: list[str]) -> list[str]:
               help="Read the prompt from a file, or standard input for - (PROMPT is then not given).")
 @click.option("--threads", type=int, default=None, help="Threads for the kernels (default: all cores).")
 @click.option("--activations", default="f32", show_default=True, metavar="f32|int8",
-              help="How 4-bit weights take activations: f32 keeps the float reference's tokens; int8 "
+              help="How quantized weights take activations: f32 keeps the float reference's tokens; int8 "
                    "rounds them as llama.cpp does (faster batches; kv-bench --fidelity measures it).")
 @click.option("--log-tokens", "log_tokens", type=int, default=None, metavar="[K]",
               help="Log every forward: token, its probability (and the K likeliest), ms, cache length.")

@@ -82,7 +82,7 @@ def text_tokens(engine, text_file: str | None, tokens: int) -> tuple[list[int], 
 @click.option("--block-size", type=int, default=BLOCK_SIZE, show_default=True,
               help="Tokens per block of the --batch-sweep pool.")
 @click.option("--activations", default="f32", show_default=True, metavar="f32|int8",
-              help="How 4-bit weights take activations (--fidelity: the rows besides the reference's).")
+              help="How quantized weights take activations (--fidelity: the rows besides the reference's).")
 @click.option("--threads", type=int, default=None)
 @click.option("--json", "as_json", is_flag=True)
 @version_option()
