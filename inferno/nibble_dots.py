@@ -48,6 +48,7 @@ from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
 
 from inferno.jit import njit  # first: the target is set before any kernel is defined
+from inferno.llvm_ir import constant, pointer, splat
 
 LANES = 16  # rows summed per call: the int32 lanes of one 512-bit register
 PARTS = 4  # int8 parts per activation: float32's precision, the default
@@ -106,16 +107,6 @@ def first_part_sums(parts, out):
         out[b] = np.float32(total)
 
 
-def _constant(element: ir.Type, values: list[int]) -> ir.Constant:
-    return ir.Constant(ir.VectorType(element, len(values)), values)
-
-
-def _pointer(context, builder, array_type, array, offset, element: ir.Type) -> ir.Value:
-    """Address of the array's flat element `offset` as a pointer to `element` (any alignment)."""
-    data = context.make_array(array_type)(context, builder, array).data
-    return builder.bitcast(builder.gep(data, [offset]), element.as_pointer())
-
-
 def _dot_bytes(builder, acc: ir.Value, unsigned: ir.Value, signed: ir.Value, vnni: bool) -> ir.Value:
     """acc <16 x i32> plus, in lane l, the sum of the four products of bytes 4l..4l+3 of `unsigned`
     and `signed` (<16 x i32> each holding 64 bytes): vpdpbusd, or the same in plain IR."""
@@ -131,18 +122,12 @@ def _dot_bytes(builder, acc: ir.Value, unsigned: ir.Value, signed: ir.Value, vnn
                            builder.sext(builder.bitcast(signed, bytes64), wide))
     products = builder.sext(products, ir.VectorType(_INT, 4 * LANES))
     for i in range(4):
-        byte_i = builder.shuffle_vector(products, products, _constant(_INT, list(range(i, 4 * LANES, 4))))
+        byte_i = builder.shuffle_vector(products, products, constant(_INT, list(range(i, 4 * LANES, 4))))
         acc = builder.add(acc, byte_i)
     return acc
 
 
-def _splat(builder, value: ir.Value) -> ir.Value:
-    vector = ir.VectorType(value.type, LANES)
-    first = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(_INT, 0))
-    return builder.shuffle_vector(first, first, _constant(_INT, [0] * LANES))
-
-
-_NIBBLES_AT = {int(QType.Q4_0): 2, int(QType.Q4_1): 4}  # where a 4-bit block's nibble quads start
+NIBBLES_AT = {int(QType.Q4_0): 2, int(QType.Q4_1): 4}  # types with nibble quads, the byte they start at
 _Q8_0 = int(QType.Q8_0)
 
 
@@ -169,7 +154,7 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, kind, n_parts):
     if not all(isinstance(v, types.IntegerLiteral) for v in (kind, n_parts)):
         return None
     kind_, count = kind.literal_value, n_parts.literal_value
-    if not ((kind_ in _NIBBLES_AT and count in ACTIVATIONS.values()) or (kind_ == _Q8_0 and count == 1)):
+    if not ((kind_ in NIBBLES_AT and count in ACTIVATIONS.values()) or (kind_ == _Q8_0 and count == 1)):
         return None
     sig = types.void(w, b, g, parts, scale, sums, acc, kind, n_parts)
 
@@ -199,33 +184,33 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, kind, n_parts):
         def tile_bytes(byte_row: int, offset: ir.Value, vector: ir.Type) -> ir.Value:
             """The tile's bytes from byte row `byte_row` of block b, `offset` bytes in."""
             at = builder.add(block_first, builder.add(builder.mul(lanes, const(byte_row)), offset))
-            return builder.load(_pointer(context, builder, w_t, w_v, at, vector), align=1)
+            return builder.load(pointer(context, builder, w_t, w_v, at, vector), align=1)
 
         def half_lanes(byte_row: int) -> ir.Value:
             """The f16 whose low byte is in row byte_row (high byte in the next), for lanes g..g+15."""
             short = ir.VectorType(_SHORT, LANES)
             low = builder.zext(tile_bytes(byte_row, g_v, bytes16), short)
             high = builder.zext(tile_bytes(byte_row + 1, g_v, bytes16), short)
-            bits = builder.or_(low, builder.shl(high, _constant(_SHORT, [8] * LANES)))
+            bits = builder.or_(low, builder.shl(high, constant(_SHORT, [8] * LANES)))
             return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), floats)
 
         d = half_lanes(0)
         weights = []  # (16 rows' 4 unsigned bytes as <16 x i32>, the first of the 4 values they hold)
         if kind_ == _Q8_0:
             m = None
-            offset = _constant(_BYTE, [128] * 4 * LANES)
+            offset = constant(_BYTE, [128] * 4 * LANES)
             for k in range(8):  # values 4k..4k+3, one byte row each, interleaved into quads
                 four = [tile_bytes(2 + 4 * k + v, g_v, bytes16) for v in range(4)]
-                pairs = [builder.shuffle_vector(four[v], four[v + 1], _constant(_INT, list(range(32))))
+                pairs = [builder.shuffle_vector(four[v], four[v + 1], constant(_INT, list(range(32))))
                          for v in (0, 2)]
-                joined = builder.shuffle_vector(pairs[0], pairs[1], _constant(_INT, list(range(64))))
-                quad = builder.shuffle_vector(joined, joined, _constant(
+                joined = builder.shuffle_vector(pairs[0], pairs[1], constant(_INT, list(range(64))))
+                quad = builder.shuffle_vector(joined, joined, constant(
                     _INT, [16 * v + lane for lane in range(LANES) for v in range(4)]))
                 weights.append((builder.bitcast(builder.add(quad, offset), ints), 4 * k))
         else:
-            nibbles_at = _NIBBLES_AT[kind_]
+            nibbles_at = NIBBLES_AT[kind_]
             m = half_lanes(2) if nibbles_at == 4 else builder.fmul(d, ir.Constant(floats, [-8.0] * LANES))
-            low_mask, shift = _constant(_BYTE, [15] * 4 * LANES), _constant(_BYTE, [4] * 4 * LANES)
+            low_mask, shift = constant(_BYTE, [15] * 4 * LANES), constant(_BYTE, [4] * 4 * LANES)
             for k in range(4):
                 quad = tile_bytes(nibbles_at + 4 * k, builder.mul(g_v, const(4)), bytes64)
                 high = builder.and_(builder.lshr(quad, shift), low_mask)
@@ -241,8 +226,8 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, kind, n_parts):
                 """Values value..value+3 of the block's part `part` of row i, in every lane."""
                 flat = builder.add(builder.add(row_parts, builder.mul(cols, ir.Constant(cols.type, part))),
                                    builder.add(x_at, ir.Constant(x_at.type, value)))
-                return _splat(builder, builder.load(_pointer(context, builder, parts_t, parts_v, flat, _INT),
-                                                    align=1))
+                word = builder.load(pointer(context, builder, parts_t, parts_v, flat, _INT), align=1)
+                return splat(builder, word, LANES)
 
             totals = [ir.Constant(ints, [0] * LANES)] * count
             for values, value in weights:  # the parts' independent chains interleaved
@@ -250,7 +235,7 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, kind, n_parts):
                     totals[part] = _dot_bytes(builder, totals[part], values, broadcast_x(part, value), vnni)
 
             def pair(first: ir.Value, second: ir.Value) -> ir.Value:  # first * 2^7 + second, exact as a float
-                joined = builder.add(builder.shl(first, _constant(_INT, [PART_BITS] * LANES)), second)
+                joined = builder.add(builder.shl(first, constant(_INT, [PART_BITS] * LANES)), second)
                 return builder.sitofp(joined, floats)
 
             if count == 1:
@@ -260,10 +245,10 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, kind, n_parts):
                 high = builder.fmul(pair(totals[0], totals[1]), weight)
                 total = builder.fadd(high, pair(totals[2], totals[3]))
             cell = builder.add(builder.mul(i, blocks), b_v)
-            row_scale = _splat(builder, builder.load(_pointer(context, builder, scale_t, scale_v, cell,
-                                                              ir.FloatType())))
-            row_sum = _splat(builder, builder.load(_pointer(context, builder, sums_t, sums_v, cell,
-                                                            ir.FloatType())))
+            row_scale = splat(builder, builder.load(pointer(context, builder, scale_t, scale_v, cell,
+                                                             ir.FloatType())), LANES)
+            row_sum = splat(builder, builder.load(pointer(context, builder, sums_t, sums_v, cell,
+                                                           ir.FloatType())), LANES)
             if m is None:  # Q8_0: take back the 128 added to every weight byte (exact: both under 2^24)
                 total = builder.fsub(total, builder.fmul(row_sum, ir.Constant(floats, [128.0] * LANES)))
                 added = builder.fmul(d, builder.fmul(row_scale, total))
@@ -271,7 +256,7 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, kind, n_parts):
                 scaled = builder.fmul(d, builder.fmul(row_scale, total))
                 added = builder.fadd(scaled, builder.fmul(m, row_sum))
             cell = builder.add(builder.mul(i, acc_width), g_v)
-            target = _pointer(context, builder, acc_t, acc_v, cell, floats)
+            target = pointer(context, builder, acc_t, acc_v, cell, floats)
             builder.store(builder.fadd(builder.load(target, align=4), added), target, align=4)
         return context.get_dummy_value()
 

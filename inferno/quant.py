@@ -36,7 +36,7 @@ from numba.extending import intrinsic, overload
 from inferno.errors import InfernoError
 from inferno.jit import njit
 from inferno.kernels import float_from_bits
-from inferno.nibble_dots import ACTIVATIONS, first_part_sums, quant_dots, split_activations
+from inferno.nibble_dots import ACTIVATIONS, NIBBLES_AT, first_part_sums, quant_dots, split_activations
 from inferno.nibble_dots import LANES as NIBBLE_LANES
 
 TILE_ROWS = 32  # lanes per tile: full SIMD loops, yet enough tiles to share small matrices between threads
@@ -55,7 +55,6 @@ F32, F16, BF16 = int(QType.F32), int(QType.F16), int(QType.BF16)
 Q8_0, Q4_0, Q4_1 = int(QType.Q8_0), int(QType.Q4_0), int(QType.Q4_1)
 Q5_0, Q5_1 = int(QType.Q5_0), int(QType.Q5_1)
 Q4_K, Q5_K, Q6_K = int(QType.Q4_K), int(QType.Q5_K), int(QType.Q6_K)
-NIBBLES_AT = {Q4_0: 2, Q4_1: 4}  # types with nibble quads (see Layout), and the byte where they start
 
 
 def integer_parts(kind: int, activations: str) -> int:

@@ -22,37 +22,29 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from inferno.llvm_ir import constant, pointer, splat
+
 KIND_F16, KIND_Q8, KIND_Q4 = 0, 1, 2
 LANES = 32
 _BYTE, _INT = ir.IntType(8), ir.IntType(32)
 _VEC = ir.VectorType(ir.FloatType(), LANES)
 
 
-def _constant(element: ir.Type, values: list[int]) -> ir.Constant:
-    return ir.Constant(ir.VectorType(element, len(values)), values)
-
-
-def _pointer(context, builder, array_type, array, offset, element: ir.Type) -> ir.Value:
-    """Address of array[offset] as a pointer to `element` (any alignment)."""
-    data = context.make_array(array_type)(context, builder, array).data
-    return builder.bitcast(builder.gep(data, [offset]), element.as_pointer())
-
-
 def _load_values(context, builder, kind: int, row_type, row, offset) -> ir.Value:
     """The block's 32 values as <32 x float>, before its scale."""
     def load(element: ir.Type, lanes: int) -> ir.Value:
         vector = ir.VectorType(element, lanes)
-        return builder.load(_pointer(context, builder, row_type, row, offset, vector), align=1)
+        return builder.load(pointer(context, builder, row_type, row, offset, vector), align=1)
 
     if kind == KIND_F16:
         return builder.fpext(load(ir.HalfType(), LANES), _VEC)
     if kind == KIND_Q8:
         return builder.sitofp(load(_BYTE, LANES), _VEC)
     packed = load(_BYTE, LANES // 2)
-    low = builder.and_(packed, _constant(_BYTE, [15] * (LANES // 2)))
-    high = builder.lshr(packed, _constant(_BYTE, [4] * (LANES // 2)))
-    nibbles = builder.shuffle_vector(low, high, _constant(_INT, list(range(LANES))))
-    return builder.sitofp(builder.sub(nibbles, _constant(_BYTE, [8] * LANES)), _VEC)
+    low = builder.and_(packed, constant(_BYTE, [15] * (LANES // 2)))
+    high = builder.lshr(packed, constant(_BYTE, [4] * (LANES // 2)))
+    nibbles = builder.shuffle_vector(low, high, constant(_INT, list(range(LANES))))
+    return builder.sitofp(builder.sub(nibbles, constant(_BYTE, [8] * LANES)), _VEC)
 
 
 def _sum(builder, vector: ir.Value) -> ir.Value:
@@ -60,8 +52,8 @@ def _sum(builder, vector: ir.Value) -> ir.Value:
     lanes = vector.type.count
     while lanes > 1:
         lanes //= 2
-        lower = builder.shuffle_vector(vector, vector, _constant(_INT, list(range(lanes))))
-        upper = builder.shuffle_vector(vector, vector, _constant(_INT, list(range(lanes, 2 * lanes))))
+        lower = builder.shuffle_vector(vector, vector, constant(_INT, list(range(lanes))))
+        upper = builder.shuffle_vector(vector, vector, constant(_INT, list(range(lanes, 2 * lanes))))
         vector = builder.fadd(lower, upper)
     return builder.extract_element(vector, ir.Constant(_INT, 0))
 
@@ -91,11 +83,6 @@ def _c_arrays(*arrays) -> bool:
     return all(isinstance(a, types.Array) and a.layout == "C" for a in arrays)
 
 
-def _splat(builder, value: ir.Value) -> ir.Value:
-    first = builder.insert_element(ir.Constant(_VEC, ir.Undefined), value, ir.Constant(_INT, 0))
-    return builder.shuffle_vector(first, first, _constant(_INT, [0] * LANES))
-
-
 @intrinsic
 def block_dots(typingctx, kind, floats, at, stride, n, row, offset, out, out_at, out_stride, scale):
     """out[out_at + i * out_stride] += scale * sum_j floats[at + i * stride + j] * value_j for i < n:
@@ -111,10 +98,10 @@ def block_dots(typingctx, kind, floats, at, stride, n, row, offset, out, out_at,
         with cgutils.for_range(builder, n_v) as loop:
             i = loop.index
             start = builder.add(at_v, builder.mul(i, stride_v))
-            head = _pointer(context, builder, floats_t, floats_v, start, _VEC)
+            head = pointer(context, builder, floats_t, floats_v, start, _VEC)
             total = _sum(builder, builder.fmul(builder.load(head, align=4), values))
             cell = builder.add(out_at_v, builder.mul(i, out_stride_v))
-            target = _pointer(context, builder, out_t, out_v, cell, ir.FloatType())
+            target = pointer(context, builder, out_t, out_v, cell, ir.FloatType())
             builder.store(builder.fadd(builder.load(target), builder.fmul(scale_v, total)), target)
         return context.get_dummy_value()
 
@@ -136,10 +123,10 @@ def block_axpys(typingctx, kind, floats, at, stride, n, coefs, c_at, c_stride, s
         with cgutils.for_range(builder, n_v) as loop:
             i = loop.index
             cell = builder.add(c_at_v, builder.mul(i, c_stride_v))
-            coef = builder.load(_pointer(context, builder, coefs_t, coefs_v, cell, ir.FloatType()))
+            coef = builder.load(pointer(context, builder, coefs_t, coefs_v, cell, ir.FloatType()))
             start = builder.add(at_v, builder.mul(i, stride_v))
-            head = _pointer(context, builder, floats_t, floats_v, start, _VEC)
-            added = builder.fmul(_splat(builder, builder.fmul(scale_v, coef)), values)
+            head = pointer(context, builder, floats_t, floats_v, start, _VEC)
+            added = builder.fmul(splat(builder, builder.fmul(scale_v, coef), LANES), values)
             builder.store(builder.fadd(builder.load(head, align=4), added), head, align=4)
         return context.get_dummy_value()
 
