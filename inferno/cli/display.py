@@ -155,7 +155,7 @@ def fidelity_table(rows: Sequence, source: str, tokens: int) -> Table:
     for name, justify in columns:
         table.add_column(name, justify=justify)
     for r in rows:
-        table.add_row(r.dtype, r.activations, f"{r.bits_per_value:g}", fmt_bytes(r.cache_bytes),
+        table.add_row(r.dtype, r.activations, f"{r.bits_per_value:.3g}", fmt_bytes(r.cache_bytes),
                       f"{r.top1_agreement:.2%}", f"{r.kl_mean:.2e}", f"{r.kl_max:.3f}", f"{r.perplexity:.3f}",
                       f"{r.decode_ms:.2f}")
     return table

@@ -5,7 +5,9 @@ A stored row is the bytes of one token's K (or V) in one layer, all KV heads sid
 - FMT_F16: IEEE half floats, 2 bytes a value;
 - FMT_Q8_0, FMT_Q4_0: llama.cpp's blocks of 32 values along head_dim, byte for byte (an f16 scale d,
   then 32 int8 values x = d * q, or 16 bytes of 4-bit q with x = d * (q - 8): low nibbles hold the
-  block's first 16 values, high nibbles the last 16).
+  block's first 16 values, high nibbles the last 16);
+- FMT_Q4_64: one f16 scale for 64 values (4.25 bits a value), then two q4_0 blocks' 16 bytes of
+  nibbles. Kernels see every format as blocks of 32 values; `sub` of them share a scale.
 
 With `rotate`, each head's 64 (any power of two) values are multiplied by the orthonormal Hadamard
 matrix before they are rounded: the few huge channels of a key (RoPE's slow dimensions) are spread
@@ -27,14 +29,20 @@ from inferno.jit import njit
 from inferno.kernels import combine_spans, decode_span, softmax_span
 from inferno.kv.vectors import KIND_F16, KIND_Q4, KIND_Q8, block_axpys, block_dots
 
-FMT_F16, FMT_Q8_0, FMT_Q4_0 = 0, 1, 2
-BLOCK = 32  # values per q8_0 / q4_0 block
+FMT_F16, FMT_Q8_0, FMT_Q4_0, FMT_Q4_64 = 0, 1, 2, 3
+BLOCK = 32  # values per q8_0 / q4_0 block: the unit every kernel reads
+
+
+@njit(cache=True)
+def block_values(fmt: int) -> int:
+    """Values sharing one f16 scale."""
+    return 2 * BLOCK if fmt == FMT_Q4_64 else BLOCK
 
 
 @njit(cache=True)
 def block_bytes(fmt: int) -> int:
-    """Bytes of one block of 32 values, its f16 scale included."""
-    return 34 if fmt == FMT_Q8_0 else 18
+    """Bytes of the values sharing one scale, the f16 scale included."""
+    return 34 if fmt in (FMT_Q8_0, FMT_Q4_64) else 18
 
 
 @intrinsic
@@ -92,10 +100,10 @@ def encode_rows(x: np.ndarray, fmt: int, out: np.ndarray) -> None:
             for j in range(w):
                 halves[i, j] = float_to_half(x[i, j])
         return
-    size = block_bytes(fmt)
+    size, span = block_bytes(fmt), block_values(fmt)
     for i in range(n):
-        for b in range(w // BLOCK):
-            src = x[i, b * BLOCK : (b + 1) * BLOCK]
+        for b in range(w // span):
+            src = x[i, b * span : (b + 1) * span]
             dst = out[i, b * size : (b + 1) * size]
             if fmt == FMT_Q8_0:
                 amax = np.float32(0.0)
@@ -110,15 +118,17 @@ def encode_rows(x: np.ndarray, fmt: int, out: np.ndarray) -> None:
                     dst[2 + j] = np.uint8(np.int32(r if v >= 0 else -r) & 0xFF)
             else:
                 top = src[0]
-                for j in range(1, BLOCK):
+                for j in range(1, span):
                     if abs(src[j]) > abs(top):
                         top = src[j]
                 d = top / np.float32(-8.0)
                 inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
-                for j in range(BLOCK // 2):
-                    lo = min(15, int(src[j] * inv + np.float32(8.5)))
-                    hi = min(15, int(src[j + BLOCK // 2] * inv + np.float32(8.5)))
-                    dst[2 + j] = np.uint8(lo | (hi << 4))
+                for part in range(span // BLOCK):
+                    at = part * BLOCK
+                    for j in range(BLOCK // 2):
+                        lo = min(15, int(src[at + j] * inv + np.float32(8.5)))
+                        hi = min(15, int(src[at + j + BLOCK // 2] * inv + np.float32(8.5)))
+                        dst[2 + at // 2 + j] = np.uint8(lo | (hi << 4))
             bits = float_to_half(d)
             dst[0] = np.uint8(bits & 0xFF)
             dst[1] = np.uint8(bits >> 8)
@@ -134,36 +144,49 @@ def decode_rows(raw: np.ndarray, fmt: int, out: np.ndarray) -> None:
             for j in range(w):
                 out[i, j] = half_to_float(halves[i, j])
         return
-    size = block_bytes(fmt)
+    size, span = block_bytes(fmt), block_values(fmt)
     signed = raw.view(np.int8)
     for i in range(n):
-        for b in range(w // BLOCK):
+        for b in range(w // span):
             o = b * size
             d = half_to_float(np.uint16(raw[i, o]) | (np.uint16(raw[i, o + 1]) << 8))
-            dst = out[i, b * BLOCK : (b + 1) * BLOCK]
+            dst = out[i, b * span : (b + 1) * span]
             if fmt == FMT_Q8_0:
                 quants = signed[i, o + 2 : o + 2 + BLOCK]
                 for j in range(BLOCK):
                     dst[j] = d * np.float32(quants[j])
             else:
-                nibbles = raw[i, o + 2 : o + 2 + BLOCK // 2]
-                for j in range(BLOCK // 2):
-                    dst[j] = d * np.float32(np.int32(nibbles[j] & 0xF) - 8)
-                    dst[j + BLOCK // 2] = d * np.float32(np.int32(nibbles[j] >> 4) - 8)
+                nibbles = raw[i, o + 2 : o + 2 + span // 2]
+                for part in range(span // BLOCK):
+                    at = part * BLOCK
+                    for j in range(BLOCK // 2):
+                        byte = nibbles[at // 2 + j]
+                        dst[at + j] = d * np.float32(np.int32(byte & 0xF) - 8)
+                        dst[at + j + BLOCK // 2] = d * np.float32(np.int32(byte >> 4) - 8)
 
 
 @njit(cache=True)
-def _layout(fmt: int, n_heads: int, width: int, row_bytes: int) -> tuple[int, int, int, int, int, int]:
+def _layout(fmt: int, n_heads: int, width: int, row_bytes: int) -> tuple[int, int, int, int, int, int, int]:
     """How stored rows of `fmt` ([row_bytes] each) line up with n_heads query heads of `width` values
-    in all: the vector kind of the blocks, their bytes (f16 rows: "blocks" of 32 halves, no scale), the
-    bytes before a block's values (its scale), head_dim, blocks per head and query heads per KV head."""
+    in all: the vector kind of the 32-value blocks, the bytes of one block's values (f16 rows: 32
+    halves), the bytes of a scale (none for f16), how many blocks share it, head_dim, blocks per head
+    and query heads per KV head."""
     if fmt == FMT_F16:
-        kind, size, first = KIND_F16, 2 * BLOCK, 0
+        kind, size, first, sub = KIND_F16, 2 * BLOCK, 0, 1
     else:
-        kind, size, first = (KIND_Q8 if fmt == FMT_Q8_0 else KIND_Q4), block_bytes(fmt), 2
+        kind, first, sub = (KIND_Q8 if fmt == FMT_Q8_0 else KIND_Q4), 2, block_values(fmt) // BLOCK
+        size = (block_bytes(fmt) - first) // sub
     head_dim = width // n_heads
     per_head = head_dim // BLOCK
-    return kind, size, first, head_dim, per_head, n_heads // (row_bytes // size // per_head)
+    n_kv = row_bytes // (first + sub * size) * sub // per_head
+    return kind, size, first, sub, head_dim, per_head, n_heads // n_kv
+
+
+@njit(cache=True)
+def _at(block: int, size: int, first: int, sub: int) -> tuple[int, int]:
+    """Bytes into a stored row of 32-value block `block`'s scale and of its values (see _layout)."""
+    o = block // sub * (first + sub * size)
+    return o, o + first + block % sub * size
 
 
 @njit(cache=True)
@@ -178,7 +201,7 @@ def _scale(kind: int, row: np.ndarray, o: int) -> float:
 def score_rows(q: np.ndarray, keys: np.ndarray, fmt: int, n_heads: int, weights: np.ndarray) -> None:
     """weights[h, s] = q_h . key s (its KV head), over stored rows keys [S, row_bytes] of `fmt`.
     Each stored block is converted once for all the query heads of its KV head."""
-    kind, size, first, head_dim, per_head, group = _layout(fmt, n_heads, q.shape[0], keys.shape[1])
+    kind, size, first, sub, head_dim, per_head, group = _layout(fmt, n_heads, q.shape[0], keys.shape[1])
     n_kv, width = n_heads // group, weights.shape[1]
     for h in range(n_heads):
         for s in range(keys.shape[0]):
@@ -186,8 +209,8 @@ def score_rows(q: np.ndarray, keys: np.ndarray, fmt: int, n_heads: int, weights:
     for s in range(keys.shape[0]):
         for g in range(n_kv):
             for b in range(per_head):
-                o = (g * per_head + b) * size
-                block_dots(kind, q, g * group * head_dim + b * BLOCK, head_dim, group, keys[s], o + first,
+                o, at = _at(g * per_head + b, size, first, sub)
+                block_dots(kind, q, g * group * head_dim + b * BLOCK, head_dim, group, keys[s], at,
                            weights, g * group * width + s, width, _scale(kind, keys[s], o))
 
 
@@ -195,14 +218,14 @@ def score_rows(q: np.ndarray, keys: np.ndarray, fmt: int, n_heads: int, weights:
 def mix_rows(weights: np.ndarray, values: np.ndarray, fmt: int, n_heads: int, out: np.ndarray) -> None:
     """out[h] += sum_s weights[h, s] * value s (its KV head), over stored rows values [S, row_bytes].
     Each stored block is converted once for all the query heads of its KV head."""
-    kind, size, first, head_dim, per_head, group = _layout(fmt, n_heads, out.shape[0], values.shape[1])
+    kind, size, first, sub, head_dim, per_head, group = _layout(fmt, n_heads, out.shape[0], values.shape[1])
     n_kv, width = n_heads // group, weights.shape[1]
     for s in range(values.shape[0]):
         for g in range(n_kv):
             for b in range(per_head):
-                o = (g * per_head + b) * size
+                o, at = _at(g * per_head + b, size, first, sub)
                 block_axpys(kind, out, g * group * head_dim + b * BLOCK, head_dim, group, weights,
-                            g * group * width + s, width, _scale(kind, values[s], o), values[s], o + first)
+                            g * group * width + s, width, _scale(kind, values[s], o), values[s], at)
 
 
 @njit(cache=True, fastmath=True, parallel=True)

@@ -13,9 +13,12 @@ the cache per step.
              to the float cache because a key's few huge channels no longer set every scale
     q4_kivi  KIVI: keys in 4 bits per channel over groups of 64 positions (an f16 scale and minimum
              each), values as q4_0h; the open group's rows in f16 until it is full (`inferno.kv.kivi`)
+    q4_recent  4 bits per rotated head of 64 values, keys minus a mean per segment, and the newest
+             positions in q8_0 as well (`inferno.kv.recent`): 4.48 bits a value at 512 tokens
 
 Where rows are kept is the element type's too (`make_store`): a row type's are [layers, capacity,
-row] buffers; q4_kivi's group keys by channel, so a layout asks the element type for its store.
+row] buffers; q4_kivi's group keys by channel and q4_recent keeps two forms of its newest rows, so a
+layout asks the element type for its store.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import numpy as np
 
 from inferno import kernels
 from inferno.errors import InfernoError
-from inferno.kv import blocks, kivi
+from inferno.kv import blocks, kivi, recent
 from inferno.kv.geometry import KVGeometry
 from inferno.kv.memory import lazy_zeros
 
@@ -158,6 +161,22 @@ class KiviType(ElementType):
         return kivi.KiviStore(geometry, capacity)
 
 
+@dataclass(frozen=True)
+class RecentType(ElementType):
+    """q4_recent. Snapshots hold its rows as float32, which it rounds again on loading; its size is
+    the store's: the 4-bit body, the q8_0 ring and the key means."""
+
+    def row_items(self, geometry: KVGeometry) -> int:
+        recent.check_geometry(geometry)
+        return geometry.kv_width
+
+    def nbytes(self, geometry: KVGeometry, tokens: int) -> int:
+        return recent.planned_nbytes(geometry, tokens)
+
+    def make_store(self, geometry: KVGeometry, capacity: int) -> recent.RecentStore:
+        return recent.RecentStore(geometry, capacity)
+
+
 DTYPES: dict[str, ElementType] = {
     t.name: t
     for t in (
@@ -167,6 +186,7 @@ DTYPES: dict[str, ElementType] = {
         ElementType("q4_0", blocks.BLOCK, 18, blocks.FMT_Q4_0),
         ElementType("q4_0h", blocks.BLOCK, 18, blocks.FMT_Q4_0, rotate=True),
         KiviType("q4_kivi", kivi.GROUP, kivi.GROUP // 2 + 4, None, rotate=True),
+        RecentType("q4_recent", 2 * blocks.BLOCK, 34, None, rotate=True),
     )
 }
 

@@ -1,0 +1,229 @@
+"""q4_recent: 4 bits a value for the old rows, 8 for the newest, a key's constant part taken out.
+
+Three measured facts make it (SmolLM2, 512 tokens, rounding simulated first, see the README):
+- Attention leans on the newest positions, so their rounding costs the most: the newest RECENT
+  positions are kept as q8_0 blocks too (a ring of RECENT rows per layer), and attention reads them
+  there. Every position's 4-bit row is written at once from the float row, so no row is rounded twice.
+- A key's channels carry a large part that changes slowly along positions, which sets every block's
+  scale. Any vector subtracted from all keys shifts every score of a query by the same amount, which
+  softmax ignores; a different vector per segment of SEGMENT positions is added back as one dot per
+  segment and query head. Keys from position SEGMENT on are stored minus the mean of the previous
+  segment's keys (as stored, so a cache rebuilt from its own rows gets the same means).
+- A Hadamard rotation of each head spreads the few huge channels left over all of them, so one f16
+  scale fits a whole head of 64 values (4.25 bits) instead of q4_0's 32 (4.5).
+
+Bytes: 4.25 bits a value for every position but the last RECENT of the capacity (which never leave
+the ring), q8_0's 8.5 for the ring, and an f16 mean per key channel and segment after the first. At
+512 tokens that is 4.48 bits a value, 4.27 at 8192.
+
+Rows are stored rotated (`inferno.kv.blocks`): the query is rotated once per step and the output
+rotated back once, and the segment means are kept rotated too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import prange
+
+from inferno.errors import InfernoError
+from inferno.jit import njit
+from inferno.kernels import combine_spans, decode_span, softmax_span
+from inferno.kv.blocks import (
+    FMT_Q4_64,
+    FMT_Q8_0,
+    block_bytes,
+    block_values,
+    decode_rows,
+    encode_rows,
+    float_to_half,
+    hadamard_rows,
+    half_to_float,
+    mix_rows,
+    score_rows,
+)
+from inferno.kv.geometry import KVGeometry
+from inferno.kv.memory import lazy_zeros
+
+RECENT = 22  # newest positions kept in q8_0
+SEGMENT = 128  # positions sharing one key mean
+
+
+def row_bytes(fmt: int, width: int) -> int:
+    return width // block_values(fmt) * block_bytes(fmt)
+
+
+def split(capacity: int) -> tuple[int, int, int]:
+    """Rows of the 4-bit body, of the q8_0 ring, and key means, for `capacity` positions."""
+    ring = min(RECENT, capacity)
+    body = capacity - ring
+    return body, ring, max(0, -(-body // SEGMENT) - 1)
+
+
+def check_geometry(geometry: KVGeometry) -> None:
+    head_dim = geometry.head_dim
+    if head_dim % block_values(FMT_Q4_64) or head_dim & (head_dim - 1):
+        raise InfernoError(f"q4_recent rotates heads and rounds 64 values together, which needs a "
+                           f"power-of-two head_dim of at least 64, not {head_dim}")
+
+
+def planned_nbytes(geometry: KVGeometry, capacity: int) -> int:
+    body, ring, means = split(capacity)
+    w = geometry.kv_width
+    per_layer = 2 * (body * row_bytes(FMT_Q4_64, w) + ring * row_bytes(FMT_Q8_0, w)) + means * w * 2
+    return geometry.layers * per_layer
+
+
+@njit(cache=True, fastmath=True)
+def _segment_mean(body_keys: np.ndarray, means: np.ndarray, segment: int) -> None:
+    """means[segment - 1]: f16 bits of the mean of segment - 1's stored keys, their own mean added back."""
+    w = means.shape[1]
+    rows = np.empty((SEGMENT, w), np.float32)
+    decode_rows(body_keys[(segment - 1) * SEGMENT : segment * SEGMENT], FMT_Q4_64, rows)
+    for c in range(w):
+        total = np.float32(0.0)
+        for t in range(SEGMENT):
+            total += rows[t, c]
+        mean = total / np.float32(SEGMENT)
+        if segment >= 2:
+            mean += half_to_float(means[segment - 2, c])
+        means[segment - 1, c] = float_to_half(mean)
+
+
+@njit(cache=True, fastmath=True)
+def write_rows(k: np.ndarray, v: np.ndarray, pos: int, head_dim: int, body_keys: np.ndarray,
+               body_values: np.ndarray, means: np.ndarray, ring_keys: np.ndarray,
+               ring_values: np.ndarray) -> None:
+    """Rows k, v [n, w] of positions pos .. pos + n - 1 of one layer into its stores: body [capacity -
+    ring, row bytes] 4-bit, means [segments - 1, w] f16 bits, ring [ring, row bytes] q8_0."""
+    keys, values = k.copy(), v.copy()
+    hadamard_rows(keys, head_dim)
+    hadamard_rows(values, head_dim)
+    n_ring, n_body = ring_keys.shape[0], body_keys.shape[0]
+    for i in range(keys.shape[0]):
+        p = pos + i
+        slot = p % n_ring
+        encode_rows(keys[i : i + 1], FMT_Q8_0, ring_keys[slot : slot + 1])
+        encode_rows(values[i : i + 1], FMT_Q8_0, ring_values[slot : slot + 1])
+        if p >= n_body:
+            continue  # the capacity's last positions never leave the ring
+        segment = p // SEGMENT
+        if segment >= 1:
+            if p % SEGMENT == 0:
+                _segment_mean(body_keys, means, segment)
+            for c in range(keys.shape[1]):
+                keys[i, c] -= half_to_float(means[segment - 1, c])
+        encode_rows(keys[i : i + 1], FMT_Q4_64, body_keys[p : p + 1])
+        encode_rows(values[i : i + 1], FMT_Q4_64, body_values[p : p + 1])
+
+
+@njit(cache=True, fastmath=True, parallel=True)
+def attention_recent(q: np.ndarray, body_keys: np.ndarray, body_values: np.ndarray, means: np.ndarray,
+                     ring_keys: np.ndarray, ring_values: np.ndarray, start: int, split_at: int,
+                     end: int, n_heads: int) -> np.ndarray:
+    """One query over positions start .. end - 1: the body's rows before split_at, the ring's from
+    there on (slot p % ring: one run of slots, or two where it wraps). Spans of the body and the
+    ring's runs run in parallel; their partial softmaxes are combined at the end
+    (kernels.combine_spans)."""
+    head_dim = q.shape[0] // n_heads
+    n_kv = body_keys.shape[1] * block_values(FMT_Q4_64) // block_bytes(FMT_Q4_64) // head_dim
+    group = n_heads // n_kv
+    query = q.copy().reshape(1, -1)
+    hadamard_rows(query, head_dim)
+    query *= np.float32(1.0 / math.sqrt(head_dim))
+    # each segment's mean shifts its scores: q_h . mean (rotated), per segment and query head
+    shift = np.zeros((means.shape[0] + 1, n_heads), np.float32)
+    for m in range(means.shape[0]):
+        for h in range(n_heads):
+            base = h // group * head_dim
+            for j in range(head_dim):
+                shift[m + 1, h] += query[0, h * head_dim + j] * half_to_float(means[m, base + j])
+    n_body = max(split_at - start, 0)
+    span = decode_span(max(n_body, 1))
+    body_spans = (n_body + span - 1) // span
+    ring, first = ring_keys.shape[0], max(start, split_at)
+    slot0 = first % ring
+    slot1 = slot0 + end - first  # past `ring`: the run wraps to slot 0
+    runs = np.array([[slot0, min(slot1, ring)], [0, slot1 - ring]])
+    n_spans = body_spans + (slot1 > slot0) + (slot1 > ring)
+    partial = np.zeros((n_spans, q.shape[0]), np.float32)
+    stats = np.empty((n_spans, n_heads, 2), np.float32)
+    for c in prange(n_spans):
+        if c < body_spans:
+            s0 = start + c * span
+            s1 = min(s0 + span, split_at)
+            keys, values, fmt = body_keys[s0:s1], body_values[s0:s1], FMT_Q4_64
+        else:
+            s0, s1 = runs[c - body_spans, 0], runs[c - body_spans, 1]
+            keys, values, fmt = ring_keys[s0:s1], ring_values[s0:s1], FMT_Q8_0
+        weights = np.empty((n_heads, s1 - s0), np.float32)
+        score_rows(query[0], keys, fmt, n_heads, weights)
+        if c < body_spans:
+            for s in range(s1 - s0):
+                segment = (s0 + s) // SEGMENT
+                for h in range(n_heads):
+                    weights[h, s] += shift[segment, h]
+        softmax_span(weights, s1 - s0, stats[c])
+        mix_rows(weights, values, fmt, n_heads, partial[c])
+    out = combine_spans(partial, stats, n_heads).reshape(1, -1)
+    hadamard_rows(out, head_dim)
+    return out[0]
+
+
+class RecentStore:
+    """The buffers of a q4_recent cache, per layer: the 4-bit body, its key means, the q8_0 ring."""
+
+    def __init__(self, geometry: KVGeometry, capacity: int):
+        check_geometry(geometry)
+        self.geometry = geometry
+        body, ring, means = split(capacity)
+        layers, w = geometry.layers, geometry.kv_width
+        self.body_keys = lazy_zeros((layers, body, row_bytes(FMT_Q4_64, w)), np.uint8)
+        self.body_values = lazy_zeros((layers, body, row_bytes(FMT_Q4_64, w)), np.uint8)
+        self.means = lazy_zeros((layers, means, w), np.uint16)
+        self.ring_keys = lazy_zeros((layers, ring, row_bytes(FMT_Q8_0, w)), np.uint8)
+        self.ring_values = lazy_zeros((layers, ring, row_bytes(FMT_Q8_0, w)), np.uint8)
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.body_keys, self.body_values, self.means, self.ring_keys, self.ring_values)
+        return sum(a.nbytes for a in arrays)
+
+    def write(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
+        write_rows(np.ascontiguousarray(k, np.float32), np.ascontiguousarray(v, np.float32), pos,
+                   self.geometry.head_dim, self.body_keys[layer], self.body_values[layer],
+                   self.means[layer], self.ring_keys[layer], self.ring_values[layer])
+
+    write_stored = write  # snapshots hold q4_recent rows as float32, rounded again on loading
+
+    def _split_at(self, end: int) -> int:
+        """The first position of the first `end` that attention reads from the ring."""
+        return max(end - self.ring_keys.shape[1], 0)
+
+    def read(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        g = self.geometry
+        at = self._split_at(end)
+        keys, values = (np.empty((end, g.kv_width), np.float32) for _ in range(2))
+        decode_rows(self.body_keys[layer, :at], FMT_Q4_64, keys[:at])
+        decode_rows(self.body_values[layer, :at], FMT_Q4_64, values[:at])
+        for segment in range(1, -(-at // SEGMENT)):
+            rows = slice(segment * SEGMENT, min((segment + 1) * SEGMENT, at))
+            keys[rows] += self.means[layer, segment - 1].view(np.float16)
+        slots = np.arange(at, end) % self.ring_keys.shape[1]
+        decode_rows(self.ring_keys[layer, slots], FMT_Q8_0, keys[at:])
+        decode_rows(self.ring_values[layer, slots], FMT_Q8_0, values[at:])
+        hadamard_rows(keys, g.head_dim)  # its own inverse
+        hadamard_rows(values, g.head_dim)
+        return keys, values
+
+    stored = read
+
+    def attend(self, layer: int, query: np.ndarray, end: int, start: int = 0) -> np.ndarray:
+        at = (layer,)
+        return attention_recent(query, self.body_keys[at], self.body_values[at], self.means[at],
+                                self.ring_keys[at], self.ring_values[at], start, self._split_at(end), end,
+                                self.geometry.heads)
+
+    def clear(self) -> None:
+        pass  # rows past the cache's length are never read; the means are written again with them
