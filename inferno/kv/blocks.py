@@ -5,9 +5,7 @@ A stored row is the bytes of one token's K (or V) in one layer, all KV heads sid
 - FMT_F16: IEEE half floats, 2 bytes a value;
 - FMT_Q8_0, FMT_Q4_0: llama.cpp's blocks of 32 values along head_dim, byte for byte (an f16 scale d,
   then 32 int8 values x = d * q, or 16 bytes of 4-bit q with x = d * (q - 8): low nibbles hold the
-  block's first 16 values, high nibbles the last 16);
-- FMT_Q4_64: one f16 scale for 64 values (4.25 bits a value), then two q4_0 blocks' 16 bytes of
-  nibbles. Kernels see every format as blocks of 32 values; `sub` of them share a scale.
+  block's first 16 values, high nibbles the last 16).
 
 With `rotate`, each head's 64 (any power of two) values are multiplied by the orthonormal Hadamard
 matrix before they are rounded: the few huge channels of a key (RoPE's slow dimensions) are spread
@@ -30,7 +28,7 @@ from inferno.kernels import combine_spans, decode_span, softmax_span
 from inferno.kv.vectors import KIND_F16, KIND_Q4, KIND_Q8, block_axpys, block_dots
 
 FMT_F16, FMT_Q8_0, FMT_Q4_0, FMT_Q4_64 = 0, 1, 2, 3
-BLOCK = 32  # values per q8_0 / q4_0 block: the unit every kernel reads
+BLOCK = 32  # values per q8_0 / q4_0 block
 
 
 @njit(cache=True)
@@ -42,7 +40,7 @@ def block_values(fmt: int) -> int:
 @njit(cache=True)
 def block_bytes(fmt: int) -> int:
     """Bytes of the values sharing one scale, the f16 scale included."""
-    return 34 if fmt in (FMT_Q8_0, FMT_Q4_64) else 18
+    return 18 if fmt == FMT_Q4_0 else 34
 
 
 @intrinsic
@@ -166,27 +164,17 @@ def decode_rows(raw: np.ndarray, fmt: int, out: np.ndarray) -> None:
 
 
 @njit(cache=True)
-def _layout(fmt: int, n_heads: int, width: int, row_bytes: int) -> tuple[int, int, int, int, int, int, int]:
+def _layout(fmt: int, n_heads: int, width: int, row_bytes: int) -> tuple[int, int, int, int, int, int]:
     """How stored rows of `fmt` ([row_bytes] each) line up with n_heads query heads of `width` values
-    in all: the vector kind of the 32-value blocks, the bytes of one block's values (f16 rows: 32
-    halves), the bytes of a scale (none for f16), how many blocks share it, head_dim, blocks per head
-    and query heads per KV head."""
+    in all: the vector kind of the blocks, their bytes (f16 rows: "blocks" of 32 halves, no scale), the
+    bytes before a block's values (its scale), head_dim, blocks per head and query heads per KV head."""
     if fmt == FMT_F16:
-        kind, size, first, sub = KIND_F16, 2 * BLOCK, 0, 1
+        kind, size, first = KIND_F16, 2 * BLOCK, 0
     else:
-        kind, first, sub = (KIND_Q8 if fmt == FMT_Q8_0 else KIND_Q4), 2, block_values(fmt) // BLOCK
-        size = (block_bytes(fmt) - first) // sub
+        kind, size, first = (KIND_Q8 if fmt == FMT_Q8_0 else KIND_Q4), block_bytes(fmt), 2
     head_dim = width // n_heads
     per_head = head_dim // BLOCK
-    n_kv = row_bytes // (first + sub * size) * sub // per_head
-    return kind, size, first, sub, head_dim, per_head, n_heads // n_kv
-
-
-@njit(cache=True)
-def _at(block: int, size: int, first: int, sub: int) -> tuple[int, int]:
-    """Bytes into a stored row of 32-value block `block`'s scale and of its values (see _layout)."""
-    o = block // sub * (first + sub * size)
-    return o, o + first + block % sub * size
+    return kind, size, first, head_dim, per_head, n_heads // (row_bytes // size // per_head)
 
 
 @njit(cache=True)
@@ -201,7 +189,7 @@ def _scale(kind: int, row: np.ndarray, o: int) -> float:
 def score_rows(q: np.ndarray, keys: np.ndarray, fmt: int, n_heads: int, weights: np.ndarray) -> None:
     """weights[h, s] = q_h . key s (its KV head), over stored rows keys [S, row_bytes] of `fmt`.
     Each stored block is converted once for all the query heads of its KV head."""
-    kind, size, first, sub, head_dim, per_head, group = _layout(fmt, n_heads, q.shape[0], keys.shape[1])
+    kind, size, first, head_dim, per_head, group = _layout(fmt, n_heads, q.shape[0], keys.shape[1])
     n_kv, width = n_heads // group, weights.shape[1]
     for h in range(n_heads):
         for s in range(keys.shape[0]):
@@ -209,8 +197,8 @@ def score_rows(q: np.ndarray, keys: np.ndarray, fmt: int, n_heads: int, weights:
     for s in range(keys.shape[0]):
         for g in range(n_kv):
             for b in range(per_head):
-                o, at = _at(g * per_head + b, size, first, sub)
-                block_dots(kind, q, g * group * head_dim + b * BLOCK, head_dim, group, keys[s], at,
+                o = (g * per_head + b) * size
+                block_dots(kind, q, g * group * head_dim + b * BLOCK, head_dim, group, keys[s], o + first,
                            weights, g * group * width + s, width, _scale(kind, keys[s], o))
 
 
@@ -218,14 +206,14 @@ def score_rows(q: np.ndarray, keys: np.ndarray, fmt: int, n_heads: int, weights:
 def mix_rows(weights: np.ndarray, values: np.ndarray, fmt: int, n_heads: int, out: np.ndarray) -> None:
     """out[h] += sum_s weights[h, s] * value s (its KV head), over stored rows values [S, row_bytes].
     Each stored block is converted once for all the query heads of its KV head."""
-    kind, size, first, sub, head_dim, per_head, group = _layout(fmt, n_heads, out.shape[0], values.shape[1])
+    kind, size, first, head_dim, per_head, group = _layout(fmt, n_heads, out.shape[0], values.shape[1])
     n_kv, width = n_heads // group, weights.shape[1]
     for s in range(values.shape[0]):
         for g in range(n_kv):
             for b in range(per_head):
-                o, at = _at(g * per_head + b, size, first, sub)
+                o = (g * per_head + b) * size
                 block_axpys(kind, out, g * group * head_dim + b * BLOCK, head_dim, group, weights,
-                            g * group * width + s, width, _scale(kind, values[s], o), values[s], at)
+                            g * group * width + s, width, _scale(kind, values[s], o), values[s], o + first)
 
 
 @njit(cache=True, fastmath=True, parallel=True)
