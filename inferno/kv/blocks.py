@@ -85,6 +85,12 @@ def hadamard_rows(x: np.ndarray, head_dim: int) -> None:
 
 
 @njit(cache=True)
+def half_at(row: np.ndarray, o: int) -> float:
+    """The f16 stored little-endian at bytes o, o + 1 of a uint8 row (a block's scale), as float32."""
+    return half_to_float(np.uint16(row[o]) | (np.uint16(row[o + 1]) << 8))
+
+
+@njit(cache=True)
 def encode_rows(x: np.ndarray, fmt: int, out: np.ndarray) -> None:
     """Rows x [n, w] float32 stored as `fmt` into out [n, row_bytes] uint8.
 
@@ -147,7 +153,7 @@ def decode_rows(raw: np.ndarray, fmt: int, out: np.ndarray) -> None:
     for i in range(n):
         for b in range(w // span):
             o = b * size
-            d = half_to_float(np.uint16(raw[i, o]) | (np.uint16(raw[i, o + 1]) << 8))
+            d = half_at(raw[i], o)
             dst = out[i, b * span : (b + 1) * span]
             if fmt == FMT_Q8_0:
                 quants = signed[i, o + 2 : o + 2 + BLOCK]
@@ -182,7 +188,7 @@ def _scale(kind: int, row: np.ndarray, o: int) -> float:
     """The f16 scale at byte o of a stored block (1 for f16 rows, which have none)."""
     if kind == KIND_F16:
         return np.float32(1.0)
-    return half_to_float(np.uint16(row[o]) | (np.uint16(row[o + 1]) << 8))
+    return half_at(row, o)
 
 
 @njit(cache=True, fastmath=True)

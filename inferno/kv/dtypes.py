@@ -186,7 +186,7 @@ DTYPES: dict[str, ElementType] = {
         ElementType("q4_0", blocks.BLOCK, 18, blocks.FMT_Q4_0),
         ElementType("q4_0h", blocks.BLOCK, 18, blocks.FMT_Q4_0, rotate=True),
         KiviType("q4_kivi", kivi.GROUP, kivi.GROUP // 2 + 4, None, rotate=True),
-        RecentType("q4_recent", 2 * blocks.BLOCK, 34, None, rotate=True),
+        RecentType("q4_recent", recent.SCALED, recent.SCALED_BYTES, None, rotate=True),
     )
 }
 

@@ -34,12 +34,11 @@ from inferno.kv.blocks import (
     BLOCK,
     FMT_Q4_64,
     FMT_Q8_0,
-    block_bytes,
-    block_values,
     decode_rows,
     encode_rows,
     float_to_half,
     hadamard_rows,
+    half_at,
     half_to_float,
     mix_rows,
     score_rows,
@@ -52,10 +51,15 @@ RECENT = 22  # newest positions kept in q8_0
 SEGMENT = 128  # positions sharing one key mean
 SCALED = 2 * BLOCK  # values sharing a scale in the body (FMT_Q4_64): two 32-value blocks of nibbles
 SCALED_BYTES = 2 + SCALED // 2
+RING_BYTES = 2 + BLOCK  # a q8_0 block of the ring: f16 scale, 32 int8
 
 
-def row_bytes(fmt: int, width: int) -> int:
-    return width // block_values(fmt) * block_bytes(fmt)
+def body_row_bytes(width: int) -> int:
+    return width // SCALED * SCALED_BYTES
+
+
+def ring_row_bytes(width: int) -> int:
+    return width // BLOCK * RING_BYTES
 
 
 def split(capacity: int) -> tuple[int, int, int]:
@@ -67,7 +71,7 @@ def split(capacity: int) -> tuple[int, int, int]:
 
 def check_geometry(geometry: KVGeometry) -> None:
     head_dim = geometry.head_dim
-    if head_dim % block_values(FMT_Q4_64) or head_dim & (head_dim - 1):
+    if head_dim % SCALED or head_dim & (head_dim - 1):
         raise InfernoError(f"q4_recent rotates heads and rounds 64 values together, which needs a "
                            f"power-of-two head_dim of at least 64, not {head_dim}")
 
@@ -75,7 +79,7 @@ def check_geometry(geometry: KVGeometry) -> None:
 def planned_nbytes(geometry: KVGeometry, capacity: int) -> int:
     body, ring, means = split(capacity)
     w = geometry.kv_width
-    per_layer = 2 * (body * row_bytes(FMT_Q4_64, w) + ring * row_bytes(FMT_Q8_0, w)) + means * w * 2
+    per_layer = 2 * (body * body_row_bytes(w) + ring * ring_row_bytes(w)) + means * w * 2
     return geometry.layers * per_layer
 
 
@@ -93,11 +97,6 @@ def _segment_mean(body_keys: np.ndarray, means: np.ndarray, segment: int) -> Non
         if segment >= 2:
             mean += half_to_float(means[segment - 2, c])
         means[segment - 1, c] = float_to_half(mean)
-
-
-@njit(cache=True)
-def _scale(row: np.ndarray, o: int) -> float:
-    return half_to_float(np.uint16(row[o]) | (np.uint16(row[o + 1]) << 8))
 
 
 @njit(cache=True)
@@ -121,7 +120,7 @@ def score_body(q: np.ndarray, keys: np.ndarray, n_heads: int, weights: np.ndarra
         for g in range(n_kv):
             for c in range(per_head):
                 o = (g * per_head + c) * SCALED_BYTES
-                d = _scale(keys[s], o)
+                d = half_at(keys[s], o)
                 for half in range(2):
                     block_dots(KIND_Q4, q, (g * group * per_head * 2 + 2 * c + half) * BLOCK, head_dim,
                                group, keys[s], o + 2 + half * BLOCK // 2, weights, g * group * width + s,
@@ -137,7 +136,7 @@ def mix_body(weights: np.ndarray, values: np.ndarray, n_heads: int, out: np.ndar
         for g in range(n_kv):
             for c in range(per_head):
                 o = (g * per_head + c) * SCALED_BYTES
-                d = _scale(values[s], o)
+                d = half_at(values[s], o)
                 for half in range(2):
                     block_axpys(KIND_Q4, out, (g * group * per_head * 2 + 2 * c + half) * BLOCK, head_dim,
                                 group, weights, g * group * width + s, width, d, values[s],
@@ -231,11 +230,11 @@ class RecentStore:
         self.geometry = geometry
         body, ring, means = split(capacity)
         layers, w = geometry.layers, geometry.kv_width
-        self.body_keys = lazy_zeros((layers, body, row_bytes(FMT_Q4_64, w)), np.uint8)
-        self.body_values = lazy_zeros((layers, body, row_bytes(FMT_Q4_64, w)), np.uint8)
+        self.body_keys = lazy_zeros((layers, body, body_row_bytes(w)), np.uint8)
+        self.body_values = lazy_zeros((layers, body, body_row_bytes(w)), np.uint8)
         self.means = lazy_zeros((layers, means, w), np.uint16)
-        self.ring_keys = lazy_zeros((layers, ring, row_bytes(FMT_Q8_0, w)), np.uint8)
-        self.ring_values = lazy_zeros((layers, ring, row_bytes(FMT_Q8_0, w)), np.uint8)
+        self.ring_keys = lazy_zeros((layers, ring, ring_row_bytes(w)), np.uint8)
+        self.ring_values = lazy_zeros((layers, ring, ring_row_bytes(w)), np.uint8)
 
     @property
     def nbytes(self) -> int:
