@@ -20,6 +20,10 @@ from numba.extending import intrinsic
 
 from inferno.jit import njit
 
+# How far ahead of what they read the streaming loops ask for memory (prefetch_ahead): SmolLM2 decode
+# measured 3 KiB and 12 KiB no faster than 6 KiB, and a non-temporal hint 2x slower.
+PREFETCH_AHEAD = 6144
+
 
 @intrinsic
 def float_from_bits(typingctx, bits):
@@ -30,6 +34,39 @@ def float_from_bits(typingctx, bits):
         return builder.bitcast(args[0], ir.FloatType())
 
     return sig, codegen
+
+
+@intrinsic
+def prefetch(typingctx, array, offset):
+    """Start loading the cache line `offset` bytes past the array's first byte into every level of the
+    CPU's caches (llvm.prefetch: read, locality 3). The address may lie past the array's end: a
+    prefetch never faults."""
+    if not isinstance(array, types.Array) or not isinstance(offset, types.Integer):
+        return None
+    sig = types.void(array, offset)
+
+    def codegen(context, builder, signature, args):
+        byte_pointer, int32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        at = builder.gep(builder.bitcast(data, byte_pointer), [args[1]])
+        name = "llvm.prefetch.p0"
+        fetch = builder.module.globals.get(name) or ir.Function(
+            builder.module, ir.FunctionType(ir.VoidType(), [byte_pointer, int32, int32, int32]), name)
+        builder.call(fetch, [at, ir.Constant(int32, 0), ir.Constant(int32, 3), ir.Constant(int32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True)
+def prefetch_ahead(array: np.ndarray, i: int) -> None:
+    """Ask for as many bytes as array[i] holds, PREFETCH_AHEAD bytes past array[i]'s start (rows
+    further on: a kernel streaming through the array calls it once per row i it is about to read).
+    With only the CPU's own prefetching, weights and cached rows streamed from memory at about half
+    the speed (see PREFETCH_AHEAD)."""
+    step = array.strides[0]
+    for line in range(0, step, 64):
+        prefetch(array, i * step + PREFETCH_AHEAD + line)
 
 
 @njit(cache=True, fastmath=True)
@@ -196,6 +233,7 @@ def attend_span(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: in
     group = n_heads // n_kv  # query heads h = g * group + i share KV head g
     scale = np.float32(1.0 / math.sqrt(head_dim))
     for s in range(n_pos):
+        prefetch_ahead(keys, s)
         for g in range(n_kv):
             kh = keys[s, g * head_dim : (g + 1) * head_dim]
             for h in range(g * group, (g + 1) * group):
@@ -219,6 +257,7 @@ def mix_span(weights: np.ndarray, values: np.ndarray, n_heads: int, out: np.ndar
     softmax_span(weights, n_pos, stats)
     out[:] = 0.0
     for s in range(n_pos):
+        prefetch_ahead(values, s)
         for g in range(n_kv):
             vh = values[s, g * head_dim : (g + 1) * head_dim]
             for h in range(g * group, (g + 1) * group):

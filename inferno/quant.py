@@ -35,7 +35,7 @@ from numba.extending import intrinsic, overload
 
 from inferno.errors import InfernoError
 from inferno.jit import njit
-from inferno.kernels import float_from_bits
+from inferno.kernels import float_from_bits, prefetch_ahead
 from inferno.nibble_dots import ACTIVATIONS, NIBBLES_AT, first_part_sums, quant_dots, split_activations
 from inferno.nibble_dots import LANES as NIBBLE_LANES
 
@@ -507,6 +507,7 @@ _DEQUANTIZE = {F32: _deq_f32, F16: _deq_f16, BF16: _deq_bf16, Q8_0: _deq_q8_0, Q
 @njit(cache=True, fastmath=True)
 def _dot_q8_0(w, x, xs, acc, s):
     for b in range(w.shape[0]):
+        prefetch_ahead(w, b)
         for r in range(acc.size):
             part = np.float32(0)
             for j in range(32):
@@ -517,6 +518,7 @@ def _dot_q8_0(w, x, xs, acc, s):
 @njit(cache=True, fastmath=True)
 def _dot_q5_0(w, x, xs, acc, s):
     for b in range(w.shape[0]):
+        prefetch_ahead(w, b)
         for r in range(acc.size):
             part = np.float32(0)
             for k in range(2):  # elements 8k..8k+7 (low nibbles) and 16+8k..16+8k+7 (high nibbles)
@@ -532,6 +534,7 @@ def _dot_q5_0(w, x, xs, acc, s):
 def _dot_q4_k(w, x, xs, acc, s):
     lo, hi = s[0], s[1]
     for b in range(w.shape[0]):
+        prefetch_ahead(w, b)
         for c in range(4):  # sub-blocks 2c (low nibbles) and 2c+1 (high nibbles) share 32 bytes
             _zero(lo)
             _zero(hi)
@@ -552,6 +555,7 @@ def _dot_q4_k(w, x, xs, acc, s):
 @njit(cache=True, fastmath=True)
 def _dot_q6_k(w, x, xs, acc, s):
     for b in range(w.shape[0]):
+        prefetch_ahead(w, b)
         for h in range(2):
             for g in range(2):  # the two 16-element halves of each 32-run have their own scales
                 e, i0 = 256 * b + 128 * h + 16 * g, 16 * g
@@ -579,6 +583,7 @@ def _dot_integer(w, parts, scale, sums, acc, kind, n_parts):
     block's scale and its sums (inferno.nibble_dots.quant_dots): parts [rows, n_parts, cols], scale
     and sums [rows, blocks]; kind and n_parts compile-time constants."""
     for b in range(w.shape[0]):
+        prefetch_ahead(w, b)
         for g in range(0, acc.shape[1], NIBBLE_LANES):
             quant_dots(w, b, g, parts, scale, sums, acc, kind, n_parts)
 

@@ -25,6 +25,7 @@ import numpy as np
 from numba import prange
 
 from inferno.jit import njit
+from inferno.kernels import prefetch_ahead
 from inferno.nibble_dots import first_part_sums, split_activations
 from inferno.quant import Q8_0, QuantizedMatrix, _dequantize_tile, _dot_integer, _f16, integer_parts
 
@@ -107,6 +108,7 @@ def _four_rows_q8_0(w, x, i, acc):
     """acc[i + n, lane] += (row lane of tile w) . x[i + n] for n = 0..3: value j of a block is the
     int8 at byte 2 + j, times the block's d. Eight values per pass."""
     for b in range(w.shape[0]):
+        prefetch_ahead(w, b)
         for j in range(0, 32, 8):
             k = 32 * b + j
             a0, a1, a2, a3 = x[i, k], x[i, k + 1], x[i, k + 2], x[i, k + 3]

@@ -24,7 +24,7 @@ from numba import prange, types
 from numba.extending import intrinsic
 
 from inferno.jit import njit
-from inferno.kernels import combine_spans, decode_span, softmax_span
+from inferno.kernels import combine_spans, decode_span, prefetch_ahead, softmax_span
 from inferno.kv.vectors import KIND_F16, KIND_Q4, KIND_Q8, block_axpys, block_dots
 
 FMT_F16, FMT_Q8_0, FMT_Q4_0, FMT_Q4_64 = 0, 1, 2, 3
@@ -201,6 +201,7 @@ def score_rows(q: np.ndarray, keys: np.ndarray, fmt: int, n_heads: int, weights:
         for s in range(keys.shape[0]):
             weights[h, s] = 0.0
     for s in range(keys.shape[0]):
+        prefetch_ahead(keys, s)
         for g in range(n_kv):
             for b in range(per_head):
                 o = (g * per_head + b) * size
@@ -215,6 +216,7 @@ def mix_rows(weights: np.ndarray, values: np.ndarray, fmt: int, n_heads: int, ou
     kind, size, first, head_dim, per_head, group = _layout(fmt, n_heads, out.shape[0], values.shape[1])
     n_kv, width = n_heads // group, weights.shape[1]
     for s in range(values.shape[0]):
+        prefetch_ahead(values, s)
         for g in range(n_kv):
             for b in range(per_head):
                 o = (g * per_head + b) * size

@@ -29,7 +29,7 @@ from numba import prange
 
 from inferno.errors import InfernoError
 from inferno.jit import njit
-from inferno.kernels import combine_spans, decode_span, softmax_span
+from inferno.kernels import combine_spans, decode_span, prefetch_ahead, softmax_span
 from inferno.kv.blocks import (
     BLOCK,
     FMT_Q4_64,
@@ -117,6 +117,7 @@ def score_body(q: np.ndarray, keys: np.ndarray, n_heads: int, weights: np.ndarra
     width = weights.shape[1]
     weights[:] = 0.0
     for s in range(keys.shape[0]):
+        prefetch_ahead(keys, s)
         for g in range(n_kv):
             for c in range(per_head):
                 o = (g * per_head + c) * SCALED_BYTES
@@ -133,6 +134,7 @@ def mix_body(weights: np.ndarray, values: np.ndarray, n_heads: int, out: np.ndar
     head_dim, per_head, n_kv, group = _body_layout(out.shape[0], n_heads, values.shape[1])
     width = weights.shape[1]
     for s in range(values.shape[0]):
+        prefetch_ahead(values, s)
         for g in range(n_kv):
             for c in range(per_head):
                 o = (g * per_head + c) * SCALED_BYTES
