@@ -16,6 +16,7 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from inferno.jit import njit
@@ -37,36 +38,33 @@ def float_from_bits(typingctx, bits):
 
 
 @intrinsic
-def prefetch(typingctx, array, offset):
-    """Start loading the cache line `offset` bytes past the array's first byte into every level of the
-    CPU's caches (llvm.prefetch: read, locality 3). The address may lie past the array's end: a
-    prefetch never faults."""
-    if not isinstance(array, types.Array) or not isinstance(offset, types.Integer):
+def prefetch_ahead(typingctx, array, i):
+    """Ask for as many bytes as array[i] holds, PREFETCH_AHEAD bytes past array[i]'s start, into every
+    level of the CPU's caches (llvm.prefetch: read, locality 3), a cache line at a time. A kernel
+    streaming through an array calls it once per row i it is about to read: with only the CPU's own
+    prefetching, weights and cached rows streamed from memory at about half the speed. The addresses
+    may lie past the array's end: a prefetch never faults. (Written in IR, not as a jitted loop: that
+    added half a second of compiling to every kernel calling it.)"""
+    if not isinstance(array, types.Array) or array.layout != "C" or not isinstance(i, types.Integer):
         return None
-    sig = types.void(array, offset)
+    sig = types.void(array, i)
 
     def codegen(context, builder, signature, args):
+        struct = context.make_array(signature.args[0])(context, builder, args[0])
+        step = cgutils.unpack_tuple(builder, struct.strides)[0]
+        row = builder.mul(context.cast(builder, args[1], signature.args[1], types.intp), step)
         byte_pointer, int32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        at = builder.gep(builder.bitcast(data, byte_pointer), [args[1]])
+        first = builder.gep(builder.bitcast(struct.data, byte_pointer), [row])
         name = "llvm.prefetch.p0"
         fetch = builder.module.globals.get(name) or ir.Function(
             builder.module, ir.FunctionType(ir.VoidType(), [byte_pointer, int32, int32, int32]), name)
-        builder.call(fetch, [at, ir.Constant(int32, 0), ir.Constant(int32, 3), ir.Constant(int32, 1)])
+        ahead, line = ir.Constant(step.type, PREFETCH_AHEAD), ir.Constant(step.type, 64)
+        with cgutils.for_range_slice(builder, ahead, builder.add(ahead, step), line) as (offset, _):
+            at = builder.gep(first, [offset])
+            builder.call(fetch, [at, ir.Constant(int32, 0), ir.Constant(int32, 3), ir.Constant(int32, 1)])
         return context.get_dummy_value()
 
     return sig, codegen
-
-
-@njit(cache=True)
-def prefetch_ahead(array: np.ndarray, i: int) -> None:
-    """Ask for as many bytes as array[i] holds, PREFETCH_AHEAD bytes past array[i]'s start (rows
-    further on: a kernel streaming through the array calls it once per row i it is about to read).
-    With only the CPU's own prefetching, weights and cached rows streamed from memory at about half
-    the speed (see PREFETCH_AHEAD)."""
-    step = array.strides[0]
-    for line in range(0, step, 64):
-        prefetch(array, i * step + PREFETCH_AHEAD + line)
 
 
 @njit(cache=True, fastmath=True)
