@@ -184,3 +184,24 @@ def test_exp_f32_is_within_two_ulp_of_exact_and_clamps_to_the_float32_range():
     assert exp_all(np.float32([0.0]))[0] == 1.0
     low, high = exp_all(np.float32([-np.inf, np.inf]))
     assert 0 < low < 1e-37 and np.isfinite(high) and high > 1e38
+
+
+def test_prefetch_ahead_asks_for_later_rows_and_never_faults_past_the_end():
+    """A loop streaming through rows asks for each row's bytes PREFETCH_AHEAD further on: past the
+    array's end on its last rows, which must not fault; on x86 the loop holds the prefetch instruction."""
+
+    @njit
+    def stream(rows):
+        total = np.float32(0)
+        for i in range(rows.shape[0]):
+            kernels.prefetch_ahead(rows, i)
+            for j in range(rows.shape[1]):
+                total += rows[i, j]
+        return total
+
+    rows = np.ones((3, 1000), np.float32)  # 12 KB: every prefetch of row 1 and 2 lands past the end
+    assert stream(rows) == 3000
+    assert stream(rows[:0]) == 0
+    asm = stream.inspect_asm(stream.signatures[0])
+    if "xmm" in asm:  # an x86 target
+        assert "prefetcht0" in asm
