@@ -207,10 +207,9 @@ def attention_recent(q: np.ndarray, body_keys: np.ndarray, body_values: np.ndarr
             s1 = min(s0 + span, split_at)
             weights = np.empty((n_heads, s1 - s0), np.float32)
             score_body(query[0], body_keys[s0:s1], n_heads, weights)
-            for s in range(s1 - s0):
-                segment = (s0 + s) // SEGMENT
-                for h in range(n_heads):
-                    weights[h, s] += shift[segment, h]
+            for h in range(n_heads):  # along each head's row of scores: contiguous
+                for s in range(s1 - s0):
+                    weights[h, s] += shift[(s0 + s) // SEGMENT, h]
             softmax_span(weights, s1 - s0, stats[c])
             mix_body(weights, body_values[s0:s1], n_heads, partial[c])
         else:
