@@ -20,6 +20,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from inferno.jit import njit
+from inferno.llvm_ir import declared
 
 # How far ahead of what they read the streaming loops ask for memory (prefetch_ahead): SmolLM2 decode
 # measured 3 KiB and 12 KiB no faster than 6 KiB, and a non-temporal hint 2x slower.
@@ -55,9 +56,8 @@ def prefetch_ahead(typingctx, array, i):
         row = builder.mul(context.cast(builder, args[1], signature.args[1], types.intp), step)
         byte_pointer, int32 = ir.IntType(8).as_pointer(), ir.IntType(32)
         first = builder.gep(builder.bitcast(struct.data, byte_pointer), [row])
-        name = "llvm.prefetch.p0"
-        fetch = builder.module.globals.get(name) or ir.Function(
-            builder.module, ir.FunctionType(ir.VoidType(), [byte_pointer, int32, int32, int32]), name)
+        fetch = declared(builder.module, "llvm.prefetch.p0",
+                         ir.FunctionType(ir.VoidType(), [byte_pointer, int32, int32, int32]))
         ahead, line = ir.Constant(step.type, PREFETCH_AHEAD), ir.Constant(step.type, 64)
         with cgutils.for_range_slice(builder, ahead, builder.add(ahead, step), line) as (offset, _):
             at = builder.gep(first, [offset])

@@ -1,5 +1,6 @@
-"""Small builders for the hand-written LLVM IR of our intrinsics (inferno.nibble_dots, inferno.kv.vectors):
-vector constants, a typed pointer into an array, a scalar splatted across a vector."""
+"""Small builders for the hand-written LLVM IR of our intrinsics (inferno.nibble_dots, inferno.kv.vectors,
+inferno.kernels): vector constants, a typed pointer into an array, a scalar splatted across a vector, an
+LLVM intrinsic function declared once per module."""
 
 from __future__ import annotations
 
@@ -24,3 +25,9 @@ def splat(builder, value: ir.Value, lanes: int) -> ir.Value:
     vector = ir.VectorType(value.type, lanes)
     first = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(_INT, 0))
     return builder.shuffle_vector(first, first, constant(_INT, [0] * lanes))
+
+
+def declared(module: ir.Module, name: str, function_type: ir.FunctionType) -> ir.Function:
+    """The function `name` of the module (an LLVM intrinsic such as llvm.prefetch.p0), declared on
+    first use."""
+    return module.globals.get(name) or ir.Function(module, function_type, name)

@@ -48,7 +48,7 @@ from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
 
 from inferno.jit import njit  # first: the target is set before any kernel is defined
-from inferno.llvm_ir import constant, pointer, splat
+from inferno.llvm_ir import constant, declared, pointer, splat
 
 LANES = 16  # rows summed per call: the int32 lanes of one 512-bit register
 PARTS = 4  # int8 parts per activation: float32's precision, the default
@@ -111,10 +111,8 @@ def _dot_bytes(builder, acc: ir.Value, unsigned: ir.Value, signed: ir.Value, vnn
     """acc <16 x i32> plus, in lane l, the sum of the four products of bytes 4l..4l+3 of `unsigned`
     and `signed` (<16 x i32> each holding 64 bytes): vpdpbusd, or the same in plain IR."""
     if vnni:
-        module = builder.module
-        name = "llvm.x86.avx512.vpdpbusd.512"
         vector = acc.type
-        dot = module.globals.get(name) or ir.Function(module, ir.FunctionType(vector, [vector] * 3), name)
+        dot = declared(builder.module, "llvm.x86.avx512.vpdpbusd.512", ir.FunctionType(vector, [vector] * 3))
         return builder.call(dot, [acc, unsigned, signed])
     bytes64 = ir.VectorType(_BYTE, 4 * LANES)
     wide = ir.VectorType(_SHORT, 4 * LANES)
