@@ -92,7 +92,7 @@ def command(model, prompt, depth, new_tokens, modes, kv_dtypes, fidelity, text_f
 
     \b
     Speed:     kv-bench --modes prealloc --kv-dtype f32,q8_0,q4_0h --depth 2048 -n 64
-    Fidelity:  kv-bench --fidelity --kv-dtype f16,q8_0,q4_0h,q4_recent  (--activations int8 --kv-dtype f32)
+    Fidelity:  kv-bench --fidelity --kv-dtype f16,q8_0,q8_0h,q4_recent  (--activations int8 --kv-dtype f32)
     Batching:  kv-bench --batch-sweep 1,2,4,8,16 --depth 128 -n 64
     """
     set_threads(threads)
