@@ -168,13 +168,34 @@ def rms_norm_heads(x: np.ndarray, n_heads: int, weight: np.ndarray, eps: float) 
                 x[t, base + j] = weight[j] * (x[t, base + j] * scale)
 
 
+MAX_LANES = 16  # running maxima kept side by side in row_max: one zmm register of float32
+
+
+@njit(cache=True, fastmath=True)
+def row_max(x: np.ndarray, lanes: np.ndarray) -> float:
+    """The largest value of a non-empty 1-D float32 array; lanes: float32 scratch [MAX_LANES]. A single
+    running max() is a chain LLVM keeps scalar (5 cycles a value); MAX_LANES of them side by side are
+    one vector max per 16 values."""
+    for j in range(MAX_LANES):
+        lanes[j] = x[0]
+    whole = x.shape[0] - x.shape[0] % MAX_LANES
+    for i in range(0, whole, MAX_LANES):
+        for j in range(MAX_LANES):
+            v = x[i + j]
+            lanes[j] = v if v > lanes[j] else lanes[j]
+    top = x[0]
+    for j in range(MAX_LANES):
+        top = lanes[j] if lanes[j] > top else top
+    for i in range(whole, x.shape[0]):
+        top = x[i] if x[i] > top else top
+    return top
+
+
 @njit(cache=True, fastmath=True)
 def softmax(x: np.ndarray) -> None:
     """Softmax of a 1-D array, in place, shifted by its max for stability."""
-    m = x[0]
-    for i in range(1, x.shape[0]):
-        m = max(m, x[i])
-    total = 0.0
+    m = row_max(x, np.empty(MAX_LANES, np.float32))
+    total = np.float32(0.0)
     for i in range(x.shape[0]):
         x[i] = exp_f32(x[i] - m)
         total += x[i]
@@ -203,16 +224,15 @@ def causal_softmax(scores: np.ndarray, n_queries: int, first_pos: int, window: i
 
 DECODE_SPAN = 128  # most cached positions per parallel task of decode attention
 MIN_SPAN = 16  # fewest: below this a task costs more to hand out than its positions take
-MAX_THREADS = numba.config.NUMBA_NUM_THREADS  # a constant to the kernels (get_num_threads() stops caching)
 
 
-@njit(cache=True)
 def decode_span(n_pos: int) -> int:
     """Positions per parallel task when one query attends over n_pos: at most DECODE_SPAN, and short
     enough that every thread gets a span when the cache is short (at depth 100, one span of 128 ran
-    the whole attention on one thread)."""
-    spans = max((n_pos + DECODE_SPAN - 1) // DECODE_SPAN, min(MAX_THREADS, n_pos // MIN_SPAN))
-    return max((n_pos + spans - 1) // max(spans, 1), 1)
+    the whole attention on one thread). Computed at each call, outside the kernels: a thread count
+    compiled into a cached kernel stays the count of whichever run compiled it."""
+    spans = max(-(-n_pos // DECODE_SPAN), min(numba.config.NUMBA_NUM_THREADS, n_pos // MIN_SPAN))
+    return max(-(-n_pos // max(spans, 1)), 1)
 
 
 @njit(cache=True, fastmath=True)
@@ -268,11 +288,10 @@ def mix_span(weights: np.ndarray, values: np.ndarray, n_heads: int, out: np.ndar
 @njit(cache=True, fastmath=True)
 def softmax_span(weights: np.ndarray, n_pos: int, stats: np.ndarray) -> None:
     """exp(score - max) of each head's first n_pos scores in place, stats[h] = (max, sum)."""
+    lanes = np.empty(MAX_LANES, np.float32)
     for h in range(weights.shape[0]):
         wh = weights[h, :n_pos]
-        top = wh[0]
-        for s in range(1, n_pos):  # a loop, not wh.max(): numpy's max costs a second of first compile
-            top = max(top, wh[s])
+        top = row_max(wh, lanes)  # not wh.max(): numpy's max costs a second of first compile
         total = np.float32(0.0)
         for s in range(n_pos):
             wh[s] = exp_f32(wh[s] - top)
@@ -281,16 +300,20 @@ def softmax_span(weights: np.ndarray, n_pos: int, stats: np.ndarray) -> None:
         stats[h, 1] = total
 
 
-@njit(cache=True, fastmath=True, parallel=True)
 def attention_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: int) -> np.ndarray:
     """One query token against every cached position, grouped-query heads; no mask is needed.
 
     q [n_heads * head_dim]; keys, values [S, n_kv_heads * head_dim]; returns [n_heads * head_dim].
-    The positions are cut into spans done in parallel, each reading its K and V rows once; the spans'
-    partial softmaxes are then rescaled to the global maximum and summed.
+    The positions are cut into spans (decode_span) done in parallel, each reading its K and V rows
+    once; the spans' partial softmaxes are then rescaled to the global maximum and summed.
     """
+    return _attention_decode(q, keys, values, n_heads, decode_span(keys.shape[0]))
+
+
+@njit(cache=True, fastmath=True, parallel=True)
+def _attention_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: int,
+                      span: int) -> np.ndarray:
     n_pos = keys.shape[0]
-    span = decode_span(n_pos)
     n_spans = (n_pos + span - 1) // span
     partial = np.empty((n_spans, q.shape[0]), np.float32)
     stats = np.empty((n_spans, n_heads, 2), np.float32)
@@ -409,10 +432,11 @@ def attention_prefill(
         n = t1 - t0
         visible = first_pos + t1  # keys past the last query of the block are never seen
         first = max(first_pos + t0 + 1 - window, 0) if window else 0  # nor keys before the first's window
-        # [n, n_kv, group, D] -> [n_kv, group * n, D]: each KV head's query heads stacked.
-        q_heads = q[t0:t1].reshape(n, n_kv, group, head_dim).transpose(1, 2, 0, 3)
-        q_heads = q_heads.reshape(n_kv, group * n, head_dim)
-        scores = np.matmul(q_heads, k_heads[:, :, first:visible]) * scale
+        # [n, n_kv, group, D] -> [n_kv, group * n, D]: each KV head's query heads stacked, scaled as they
+        # are copied (D multiplies a query, where scaling its scores took one a visible key)
+        q_heads = np.empty((n_kv, group, n, head_dim), np.float32)
+        np.multiply(q[t0:t1].reshape(n, n_kv, group, head_dim).transpose(1, 2, 0, 3), scale, out=q_heads)
+        scores = np.matmul(q_heads.reshape(n_kv, group * n, head_dim), k_heads[:, :, first:visible])
         causal_softmax(scores, n, first_pos + t0 - first, window or 0)
         mixed = np.matmul(scores, v_heads[:, first:visible])  # [n_kv, group * n, D]
         out[t0:t1] = mixed.reshape(n_kv, group, n, head_dim).transpose(2, 0, 1, 3).reshape(n, -1)

@@ -24,7 +24,7 @@ from numba import prange, types
 from numba.extending import intrinsic
 
 from inferno.jit import njit
-from inferno.kernels import combine_spans, decode_span, prefetch_ahead, softmax_span
+from inferno.kernels import combine_spans, prefetch_ahead, softmax_span
 from inferno.kv.vectors import KIND_F16, KIND_Q4, KIND_Q8, block_axpys, block_dots
 
 FMT_F16, FMT_Q8_0, FMT_Q4_0, FMT_Q4_64 = 0, 1, 2, 3
@@ -226,15 +226,15 @@ def mix_rows(weights: np.ndarray, values: np.ndarray, fmt: int, n_heads: int, ou
 
 @njit(cache=True, fastmath=True, parallel=True)
 def attention_decode_rows(
-    q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: int, fmt: int, rotate: bool
+    q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: int, fmt: int, rotate: bool, span: int
 ) -> np.ndarray:
     """kernels.attention_decode over stored rows keys, values [S, row_bytes] uint8 of format `fmt`.
 
-    Spans of positions (kernels.decode_span) run in parallel. Each stored block of 32 values is read straight
-    into vector registers (`inferno.kv.vectors`): a query head's score is a vector dot per block times
-    the block's scale, and the values are added into the output per block with weight times scale.
-    The cache is read once in its compact form and never decoded into a float copy. With `rotate`
-    the rows hold Hadamard-rotated heads (see the module).
+    Spans of `span` positions (kernels.decode_span) run in parallel. Each stored block of 32 values is
+    read straight into vector registers (`inferno.kv.vectors`): a query head's score is a vector dot
+    per block times the block's scale, and the values are added into the output per block with weight
+    times scale. The cache is read once in its compact form and never decoded into a float copy. With
+    `rotate` the rows hold Hadamard-rotated heads (see the module).
     """
     n_pos = keys.shape[0]
     head_dim = q.shape[0] // n_heads
@@ -242,7 +242,6 @@ def attention_decode_rows(
     if rotate:
         hadamard_rows(query, head_dim)
     query *= np.float32(1.0 / math.sqrt(head_dim))
-    span = decode_span(n_pos)
     n_spans = (n_pos + span - 1) // span
     partial = np.zeros((n_spans, q.shape[0]), np.float32)
     stats = np.empty((n_spans, n_heads, 2), np.float32)

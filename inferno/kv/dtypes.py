@@ -102,7 +102,8 @@ class ElementType:
         """Decode attention of one query row [heads * head_dim] over stored rows keys, values."""
         if self.fmt is None:
             return kernels.attention_decode(query, keys, values, geometry.heads)
-        return blocks.attention_decode_rows(query, keys, values, geometry.heads, self.fmt, self.rotate)
+        return blocks.attention_decode_rows(query, keys, values, geometry.heads, self.fmt, self.rotate,
+                                            kernels.decode_span(keys.shape[0]))
 
 
     def make_store(self, geometry: KVGeometry, capacity: int) -> RowStore:

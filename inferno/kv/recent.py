@@ -169,24 +169,28 @@ def write_rows(k: np.ndarray, v: np.ndarray, pos: int, head_dim: int, body_keys:
 @njit(cache=True, fastmath=True, parallel=True)
 def attention_recent(q: np.ndarray, body_keys: np.ndarray, body_values: np.ndarray, means: np.ndarray,
                      ring_keys: np.ndarray, ring_values: np.ndarray, start: int, split_at: int,
-                     end: int, n_heads: int) -> np.ndarray:
+                     end: int, n_heads: int, span: int) -> np.ndarray:
     """One query over positions start .. end - 1: the body's rows before split_at, the ring's from
-    there on (slot p % ring: one run of slots, or two where it wraps). Spans of the body and the
-    ring's runs run in parallel; their partial softmaxes are combined at the end
-    (kernels.combine_spans)."""
+    there on (slot p % ring: one run of slots, or two where it wraps). Spans of `span` body rows
+    (kernels.decode_span) and the ring's runs run in parallel; their partial softmaxes are combined
+    at the end (kernels.combine_spans)."""
     head_dim, _, _, group = _body_layout(q.shape[0], n_heads, body_keys.shape[1])
     query = q.copy().reshape(1, -1)
     hadamard_rows(query, head_dim)
     query *= np.float32(1.0 / math.sqrt(head_dim))
     # each segment's mean shifts its scores: q_h . mean (rotated), per segment and query head
     shift = np.zeros((means.shape[0] + 1, n_heads), np.float32)
+    mean = np.empty(means.shape[1], np.float32)  # one segment's, as floats: the dots below vectorize
     for m in range(means.shape[0]):
+        for c in range(mean.shape[0]):
+            mean[c] = half_to_float(means[m, c])
         for h in range(n_heads):
             base = h // group * head_dim
+            total = np.float32(0.0)
             for j in range(head_dim):
-                shift[m + 1, h] += query[0, h * head_dim + j] * half_to_float(means[m, base + j])
+                total += query[0, h * head_dim + j] * mean[base + j]
+            shift[m + 1, h] = total
     n_body = max(split_at - start, 0)
-    span = decode_span(max(n_body, 1))
     body_spans = (n_body + span - 1) // span
     ring, first = ring_keys.shape[0], max(start, split_at)
     slot0 = first % ring
@@ -266,10 +270,10 @@ class RecentStore:
     stored = read
 
     def attend(self, layer: int, query: np.ndarray, end: int, start: int = 0) -> np.ndarray:
-        at = (layer,)
+        at, split_at = (layer,), self._split_at(end)
         return attention_recent(query, self.body_keys[at], self.body_values[at], self.means[at],
-                                self.ring_keys[at], self.ring_values[at], start, self._split_at(end), end,
-                                self.geometry.heads)
+                                self.ring_keys[at], self.ring_values[at], start, split_at, end,
+                                self.geometry.heads, decode_span(max(split_at - start, 1)))
 
     def clear(self) -> None:
         pass  # rows past the cache's length are never read; the means are written again with them
