@@ -400,6 +400,9 @@ def concat_dim0(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
+ROWWISE_PAIRS = 1024  # query-key pairs up to which prefill attends one query at a time (see below)
+
+
 def attention_prefill(
     q: np.ndarray,
     keys: np.ndarray,
@@ -417,9 +420,20 @@ def attention_prefill(
     itself included (a sliding-window layer); None sees them all. The products are BLAS matmuls per KV
     head, with all query heads of a group stacked; queries go in blocks so the score matrix stays small
     for long prompts, and a block reads only the keys its queries can see.
+
+    A short prompt on a short cache (ROWWISE_PAIRS) takes each query through decode's kernel over the
+    keys it sees: such prefill then compiles nothing of its own, 0.6 s less on a fresh machine's first
+    run, and a long prompt compiles the blocks' softmax when it comes.
     """
     n_queries = q.shape[0]
     n_pos, kv_width = keys.shape
+    if n_queries * n_pos <= ROWWISE_PAIRS:
+        rows = np.empty_like(q)
+        for t in range(n_queries):
+            end = first_pos + t + 1
+            start = max(end - window, 0) if window else 0
+            rows[t] = attention_decode(q[t], keys[start:end], values[start:end], n_heads)
+        return rows
     head_dim = q.shape[1] // n_heads
     n_kv = kv_width // head_dim
     group = n_heads // n_kv

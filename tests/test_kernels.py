@@ -135,9 +135,10 @@ def reference_attention(q, k, v, n_heads, first_pos, window=None):
     return out
 
 
+@pytest.mark.parametrize("t", [3, 300])  # a query at a time (kernels.ROWWISE_PAIRS); over one query block
 @pytest.mark.parametrize("first_pos", [0, 13])
-def test_attention_prefill_is_causal_grouped_query_attention(first_pos):
-    t, s = 300, first_pos + 300  # longer than one query block
+def test_attention_prefill_is_causal_grouped_query_attention(first_pos, t):
+    s = first_pos + t
     q = rng.standard_normal((t, 8 * 16), dtype=np.float32)
     k = rng.standard_normal((s, 2 * 16), dtype=np.float32)
     v = rng.standard_normal((s, 2 * 16), dtype=np.float32)
@@ -145,9 +146,10 @@ def test_attention_prefill_is_causal_grouped_query_attention(first_pos):
     np.testing.assert_allclose(got, reference_attention(q, k, v, 8, first_pos), atol=1e-5)
 
 
+@pytest.mark.parametrize("t", [3, 300])
 @pytest.mark.parametrize(("first_pos", "window"), [(0, 1), (0, 37), (13, 100), (290, 512), (0, 1000)])
-def test_attention_prefill_sees_only_the_window(first_pos, window):
-    t, s = 300, first_pos + 300
+def test_attention_prefill_sees_only_the_window(first_pos, window, t):
+    s = first_pos + t
     q = rng.standard_normal((t, 4 * 16), dtype=np.float32)
     k = rng.standard_normal((s, 1 * 16), dtype=np.float32)
     v = rng.standard_normal((s, 1 * 16), dtype=np.float32)
