@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -19,7 +20,7 @@ from time import perf_counter
 
 import numpy as np
 
-from inferno import prepared
+from inferno import kernels, prepared
 from inferno.config import ModelConfig
 from inferno.errors import InfernoError
 from inferno.generate import Generation, stream_generate
@@ -286,6 +287,10 @@ def warm_up(model: Transformer, cache: KVCache | None = None) -> None:
 
 def warm_up_matmul(model: Transformer) -> None:
     """The BLAS matmul of each block type the layers hold, on one tile (a prompt long enough to take
-    that path would dequantize every weight to warm it)."""
+    that path would dequantize every weight to warm it), and prefill attention over query blocks, on
+    a prompt just long enough to take that path (kernels.ROWWISE_PAIRS)."""
     for matrix in {m.qtype: m for m in model.layer_matrices()}.values():
         matrix.first_tile().matmul(np.zeros((MATMUL_MIN_ROWS, matrix.cols), np.float32))
+    g, n = model.config.kv_geometry, math.isqrt(kernels.ROWWISE_PAIRS) + 1
+    kv = np.zeros((n, g.kv_width), np.float32)
+    kernels.attention_prefill(np.zeros((n, g.heads * g.head_dim), np.float32), kv, kv, g.heads, 0)
