@@ -241,10 +241,18 @@ def attend_span(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: in
     """One query token over a span of cached rows, softmax left unnormalised (flash-decoding).
 
     For each query head h: out[h] = sum_s exp(score_s - m) * v_s, stats[h] = (m, sum_s exp(score_s - m))
-    with m the span's largest score, so spans combine exactly (see attention_decode). Each K and V row
-    is read once, whole, for all heads (1.7x faster than a pass per head once the cache outgrows the
-    CPU caches); inner loops run over slices so LLVM vectorizes them. weights: scratch [heads, span].
+    with m the span's largest score, so spans combine exactly (see combine_spans). weights: scratch
+    [heads, span].
     """
+    score_span(q, keys, n_heads, weights, 0)
+    mix_span(weights, values, n_heads, out, stats)
+
+
+@njit(cache=True, fastmath=True)
+def score_span(q: np.ndarray, keys: np.ndarray, n_heads: int, weights: np.ndarray, col: int) -> None:
+    """weights[h, col + s] = q_h . k_s / sqrt(head_dim) over float32 rows keys [n, kv_width]. Each K row
+    is read once, whole, for all heads (1.7x faster than a pass per head once the cache outgrows the
+    CPU caches); inner loops run over slices so LLVM vectorizes them."""
     n_pos, kv_width = keys.shape
     head_dim = q.shape[0] // n_heads
     n_kv = kv_width // head_dim
@@ -259,8 +267,7 @@ def attend_span(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: in
                 acc = np.float32(0.0)
                 for j in range(head_dim):
                     acc += qh[j] * kh[j]
-                weights[h, s] = acc * scale
-    mix_span(weights, values, n_heads, out, stats)
+                weights[h, col + s] = acc * scale
 
 
 @njit(cache=True, fastmath=True)
@@ -268,18 +275,24 @@ def mix_span(weights: np.ndarray, values: np.ndarray, n_heads: int, out: np.ndar
              stats: np.ndarray) -> None:
     """The second half of attend_span, given the span's scaled scores weights [heads, n_pos]: the
     unnormalised softmax of each head's scores (and its stats) and the values mixed by it."""
+    softmax_span(weights, values.shape[0], stats)
+    out[:] = 0.0
+    mix_values(weights, values, n_heads, out, 0)
+
+
+@njit(cache=True, fastmath=True)
+def mix_values(weights: np.ndarray, values: np.ndarray, n_heads: int, out: np.ndarray, col: int) -> None:
+    """out[h] += sum_s weights[h, col + s] * v_s over float32 rows values [n, kv_width]."""
     n_pos, kv_width = values.shape
     head_dim = out.shape[0] // n_heads
     n_kv = kv_width // head_dim
     group = n_heads // n_kv
-    softmax_span(weights, n_pos, stats)
-    out[:] = 0.0
     for s in range(n_pos):
         prefetch_ahead(values, s)
         for g in range(n_kv):
             vh = values[s, g * head_dim : (g + 1) * head_dim]
             for h in range(g * group, (g + 1) * group):
-                w = weights[h, s]
+                w = weights[h, col + s]
                 oh = out[h * head_dim : (h + 1) * head_dim]
                 for j in range(head_dim):
                     oh[j] += w * vh[j]
@@ -305,23 +318,13 @@ def attention_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_head
 
     q [n_heads * head_dim]; keys, values [S, n_kv_heads * head_dim]; returns [n_heads * head_dim].
     The positions are cut into spans (decode_span) done in parallel, each reading its K and V rows
-    once; the spans' partial softmaxes are then rescaled to the global maximum and summed.
+    once; the spans' partial softmaxes are then rescaled to the global maximum and summed. This is
+    the one decode-attention kernel of every cache layout and element type (blocks.attend_tables):
+    here over float32 rows stored in order.
     """
-    return _attention_decode(q, keys, values, n_heads, decode_span(keys.shape[0]))
+    from inferno.kv.blocks import attend_rows  # it imports this module's pieces
 
-
-@njit(cache=True, fastmath=True, parallel=True)
-def _attention_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: int,
-                      span: int) -> np.ndarray:
-    n_pos = keys.shape[0]
-    n_spans = (n_pos + span - 1) // span
-    partial = np.empty((n_spans, q.shape[0]), np.float32)
-    stats = np.empty((n_spans, n_heads, 2), np.float32)
-    for c in prange(n_spans):
-        s0, s1 = c * span, min((c + 1) * span, n_pos)
-        weights = np.empty((n_heads, s1 - s0), np.float32)
-        attend_span(q, keys[s0:s1], values[s0:s1], n_heads, weights, partial[c], stats[c])
-    return combine_spans(partial, stats, n_heads)
+    return attend_rows(q, keys, values, 0, keys.shape[0], n_heads)
 
 
 @njit(cache=True, fastmath=True)

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from inferno.kv.base import KVCache, KVCacheFullError
-from inferno.kv.paged import PagedKVCache, paged_attention
+from inferno.kv.blocks import attend_tables
+from inferno.kv.paged import PagedKVCache
 
 
 class CacheBatch:
@@ -36,14 +37,15 @@ class CacheBatch:
 
 
 class PagedBatch(CacheBatch):
-    """Sequences sharing one block pool: per layer, one scattered write and one attention kernel call
-    for the whole batch. Blocks (a new one, or a private copy of a shared partial one) are taken once
-    per step, before the first layer."""
+    """Sequences sharing one block pool: per layer, one scattered write and one call of the decode
+    attention kernel (blocks.attend_tables) for the whole batch, in the pool's element type. Blocks (a
+    new one, or a private copy of a shared partial one), in every layer group, are taken once per step,
+    before the first layer."""
 
     def __init__(self, caches: Sequence[PagedKVCache]):
         super().__init__(caches)
-        self.pool = caches[0].pool
-        bs = self.pool.block_size
+        self.pool = pool = caches[0].pool
+        bs = pool.block_size
         for cache, pos in zip(self.caches, self.positions.tolist(), strict=True):
             if pos + 1 > cache.capacity:
                 raise KVCacheFullError(
@@ -51,22 +53,33 @@ class PagedBatch(CacheBatch):
                     f"it was sized for {cache.capacity}"
                 )
             cache.prepare(pos, pos + 1)
-        self._blocks = np.array([c.table[p // bs] for c, p in zip(self.caches, self.positions, strict=True)])
         self._offsets = self.positions % bs
-        self._tables = np.zeros((len(caches), max(len(c.table) for c in caches)), np.int32)
-        for b, cache in enumerate(self.caches):
-            self._tables[b, : len(cache.table)] = cache.table_array
-        self._lengths = self.positions + 1
+        ends = (self.positions + 1).tolist()
+        self._blocks, self._tables, self._ranges = [], [], []  # per layer group
+        for g in range(len(pool.groups)):
+            self._blocks.append(np.array([c.tables[g][p // bs] for c, p in zip(self.caches, self.positions,
+                                                                               strict=True)]))
+            tables = np.zeros((len(caches), max(len(c.tables[g]) for c in caches)), np.int32)
+            for b, cache in enumerate(self.caches):
+                tables[b, : len(cache.tables[g])] = cache.table_arrays[g]
+            self._tables.append(tables)
+            self._ranges.append(np.stack([c.attention_range(g, e) for c, e in zip(self.caches, ends,
+                                                                                  strict=True)]))
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
-        self.pool.keys[layer, self._blocks, self._offsets] = k
-        self.pool.values[layer, self._blocks, self._offsets] = v
+        pool, geometry = self.pool, self.pool.geometry
+        group, slot = pool.slot_of[layer]
+        pool.keys[slot, self._blocks[group], self._offsets] = pool.dtype.encode(k, geometry)
+        pool.values[slot, self._blocks[group], self._offsets] = pool.dtype.encode(v, geometry)
         for cache in self.caches:
             cache._written[layer] += 1
 
     def attend(self, layer: int, q: np.ndarray, n_heads: int) -> np.ndarray:
-        keys, values = self.pool.keys[layer], self.pool.values[layer]
-        return paged_attention(q, keys, values, self._tables, self._lengths, n_heads)
+        pool = self.pool
+        group, slot = pool.slot_of[layer]
+        return attend_tables(q, pool.key_rows[slot], pool.value_rows[slot], self._tables[group],
+                             self._ranges[group], pool.block_size, n_heads, pool.dtype.kernel_fmt,
+                             pool.dtype.rotate)
 
 
 def batch_of(caches: Sequence[KVCache]) -> CacheBatch:

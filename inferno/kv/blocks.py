@@ -23,11 +23,12 @@ from llvmlite import ir
 from numba import prange, types
 from numba.extending import intrinsic
 
+from inferno import kernels
 from inferno.jit import njit
-from inferno.kernels import combine_spans, prefetch_ahead, softmax_span
+from inferno.kernels import combine_spans, mix_values, prefetch_ahead, score_span, softmax_span
 from inferno.kv.vectors import KIND_F16, KIND_Q4, KIND_Q8, block_axpys, block_dots
 
-FMT_F16, FMT_Q8_0, FMT_Q4_0, FMT_Q4_64 = 0, 1, 2, 3
+FMT_F32, FMT_F16, FMT_Q8_0, FMT_Q4_0, FMT_Q4_64 = -1, 0, 1, 2, 3  # FMT_F32: float32 rows as computed
 BLOCK = 32  # values per q8_0 / q4_0 block
 
 
@@ -193,25 +194,39 @@ def _scale(kind: int, row: np.ndarray, o: int) -> float:
 
 @njit(cache=True, fastmath=True)
 def score_rows(q: np.ndarray, keys: np.ndarray, fmt: int, n_heads: int, weights: np.ndarray) -> None:
-    """weights[h, s] = q_h . key s (its KV head), over stored rows keys [S, row_bytes] of `fmt`.
+    """weights[h, s] = q_h . key s (its KV head), over stored rows keys [S, row_bytes] of `fmt`."""
+    score_rows_at(q, keys, fmt, n_heads, weights, 0)
+
+
+@njit(cache=True, fastmath=True)
+def score_rows_at(q: np.ndarray, keys: np.ndarray, fmt: int, n_heads: int, weights: np.ndarray,
+                  col: int) -> None:
+    """weights[h, col + s] = q_h . key s (its KV head), over stored rows keys [S, row_bytes] of `fmt`.
     Each stored block is converted once for all the query heads of its KV head."""
     kind, size, first, head_dim, per_head, group = _layout(fmt, n_heads, q.shape[0], keys.shape[1])
     n_kv, width = n_heads // group, weights.shape[1]
     for h in range(n_heads):
         for s in range(keys.shape[0]):
-            weights[h, s] = 0.0
+            weights[h, col + s] = 0.0
     for s in range(keys.shape[0]):
         prefetch_ahead(keys, s)
         for g in range(n_kv):
             for b in range(per_head):
                 o = (g * per_head + b) * size
                 block_dots(kind, q, g * group * head_dim + b * BLOCK, head_dim, group, keys[s], o + first,
-                           weights, g * group * width + s, width, _scale(kind, keys[s], o))
+                           weights, g * group * width + col + s, width, _scale(kind, keys[s], o))
 
 
 @njit(cache=True, fastmath=True)
 def mix_rows(weights: np.ndarray, values: np.ndarray, fmt: int, n_heads: int, out: np.ndarray) -> None:
-    """out[h] += sum_s weights[h, s] * value s (its KV head), over stored rows values [S, row_bytes].
+    """out[h] += sum_s weights[h, s] * value s (its KV head), over stored rows values [S, row_bytes]."""
+    mix_rows_at(weights, values, fmt, n_heads, out, 0)
+
+
+@njit(cache=True, fastmath=True)
+def mix_rows_at(weights: np.ndarray, values: np.ndarray, fmt: int, n_heads: int, out: np.ndarray,
+                col: int) -> None:
+    """out[h] += sum_s weights[h, col + s] * value s (its KV head), over stored rows values [S, row_bytes].
     Each stored block is converted once for all the query heads of its KV head."""
     kind, size, first, head_dim, per_head, group = _layout(fmt, n_heads, out.shape[0], values.shape[1])
     n_kv, width = n_heads // group, weights.shape[1]
@@ -221,37 +236,116 @@ def mix_rows(weights: np.ndarray, values: np.ndarray, fmt: int, n_heads: int, ou
             for b in range(per_head):
                 o = (g * per_head + b) * size
                 block_axpys(kind, out, g * group * head_dim + b * BLOCK, head_dim, group, weights,
-                            g * group * width + s, width, _scale(kind, values[s], o), values[s], o + first)
+                            g * group * width + col + s, width, _scale(kind, values[s], o), values[s],
+                            o + first)
+
+
+@njit(cache=True, fastmath=True)
+def score_run(q: np.ndarray, keys: np.ndarray, fmt: int, n_heads: int, weights: np.ndarray, col: int) -> None:
+    """The scores of a run of rows keys [n, row] into weights[:, col : col + n]: float32 rows (FMT_F32,
+    kernels.score_span) or stored ones (score_rows_at)."""
+    if fmt == FMT_F32:
+        score_span(q, keys, n_heads, weights, col)
+    else:
+        score_rows_at(q, keys, fmt, n_heads, weights, col)
+
+
+@njit(cache=True, fastmath=True)
+def mix_run(weights: np.ndarray, values: np.ndarray, fmt: int, n_heads: int, out: np.ndarray,
+            col: int) -> None:
+    """out += the run of rows values [n, row] mixed by weights[:, col : col + n]."""
+    if fmt == FMT_F32:
+        mix_values(weights, values, n_heads, out, col)
+    else:
+        mix_rows_at(weights, values, fmt, n_heads, out, col)
+
+
+@njit(cache=True, fastmath=True)
+def _each_run(q: np.ndarray, rows: np.ndarray, table: np.ndarray, block_size: int, p0: int, p1: int,
+              fmt: int, n_heads: int, weights: np.ndarray, out: np.ndarray, mix: bool) -> None:
+    """score_run (or mix_run) over positions p0 .. p1 - 1 of a sequence, one contiguous run of rows
+    per block: position p is row table[p // block_size] * block_size + p % block_size of rows."""
+    p, col = p0, 0
+    while p < p1:
+        index = p // block_size
+        offset = p - index * block_size
+        n = min(block_size - offset, p1 - p)
+        r = np.int64(table[index]) * block_size + offset
+        if mix:
+            mix_run(weights, rows[r : r + n], fmt, n_heads, out, col)
+        else:
+            score_run(q, rows[r : r + n], fmt, n_heads, weights, col)
+        p += n
+        col += n
 
 
 @njit(cache=True, fastmath=True, parallel=True)
+def attend_tables(q: np.ndarray, keys: np.ndarray, values: np.ndarray, tables: np.ndarray, ranges: np.ndarray,
+                  block_size: int, n_heads: int, fmt: int, rotate: bool) -> np.ndarray:
+    """Decode attention of B queries, one per sequence, over rows of one layer: every cache layout's.
+
+    q [B, n_heads * head_dim]; keys, values [R, row] (float32 rows when fmt is FMT_F32, else stored rows
+    of `fmt`); sequence b's position p is row tables[b, p // block_size] * block_size + p % block_size
+    (prealloc: one block as long as its capacity; paged: the pool's blocks); ranges int64 [B, 3]: the
+    positions b attends, start .. end - 1, and its span (kernels.decode_span, read by the caller at
+    each call: a thread count compiled into a cached kernel goes stale).
+
+    Every sequence's positions are cut into spans; all spans of all sequences run in parallel, each
+    scoring its rows a run (the rows of one block) at a time, its unnormalised softmax (softmax_span)
+    mixing the values; then each sequence's spans are rescaled to its largest score and summed
+    (combine_spans). With `rotate` the rows hold Hadamard-rotated heads (see the module).
+    """
+    n_seq, width = q.shape
+    head_dim = width // n_heads
+    query = q.copy()
+    if fmt != FMT_F32:  # stored rows take the query rotated like them and scaled (float rows scale scores)
+        if rotate:
+            hadamard_rows(query, head_dim)
+        query *= np.float32(1.0 / math.sqrt(head_dim))
+    first = np.zeros(n_seq + 1, np.int64)  # sequence b's spans are first[b] .. first[b + 1] - 1
+    for b in range(n_seq):
+        first[b + 1] = first[b] + (ranges[b, 1] - ranges[b, 0] + ranges[b, 2] - 1) // ranges[b, 2]
+    owner = np.empty(first[n_seq], np.int64)
+    for b in range(n_seq):
+        owner[first[b] : first[b + 1]] = b
+    partial = np.zeros((first[n_seq], width), np.float32)
+    stats = np.empty((first[n_seq], n_heads, 2), np.float32)
+    for t in prange(first[n_seq]):
+        b = owner[t]
+        p0 = ranges[b, 0] + (t - first[b]) * ranges[b, 2]
+        p1 = min(p0 + ranges[b, 2], ranges[b, 1])
+        weights = np.empty((n_heads, p1 - p0), np.float32)
+        _each_run(query[b], keys, tables[b], block_size, p0, p1, fmt, n_heads, weights, partial[t], False)
+        softmax_span(weights, p1 - p0, stats[t])
+        _each_run(query[b], values, tables[b], block_size, p0, p1, fmt, n_heads, weights, partial[t], True)
+    out = np.empty((n_seq, width), np.float32)
+    for b in range(n_seq):
+        out[b] = combine_spans(partial[first[b] : first[b + 1]], stats[first[b] : first[b + 1]], n_heads)
+    if fmt != FMT_F32 and rotate:
+        hadamard_rows(out, head_dim)
+    return out
+
+
+ONE_BLOCK = np.zeros((1, 1), np.int32)  # the table of rows stored in order: one block holding them all
+
+
+def attend_rows(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, end: int, n_heads: int,
+                fmt: int = -1, rotate: bool = False) -> np.ndarray:
+    """attend_tables for one query q [n_heads * head_dim] over rows start .. end - 1 of keys, values
+    [S, row] stored in order (prealloc's layer, or float rows anywhere)."""
+    ranges = np.array([[start, end, kernels.decode_span(end - start)]], np.int64)
+    return attend_tables(q.reshape(1, -1), keys, values, ONE_BLOCK, ranges, max(keys.shape[0], 1), n_heads,
+                         fmt, rotate)[0]
+
+
 def attention_decode_rows(
-    q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: int, fmt: int, rotate: bool, span: int
+    q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: int, fmt: int, rotate: bool
 ) -> np.ndarray:
     """kernels.attention_decode over stored rows keys, values [S, row_bytes] uint8 of format `fmt`.
 
-    Spans of `span` positions (kernels.decode_span) run in parallel. Each stored block of 32 values is
-    read straight into vector registers (`inferno.kv.vectors`): a query head's score is a vector dot
-    per block times the block's scale, and the values are added into the output per block with weight
-    times scale. The cache is read once in its compact form and never decoded into a float copy. With
-    `rotate` the rows hold Hadamard-rotated heads (see the module).
+    Each stored block of 32 values is read straight into vector registers (`inferno.kv.vectors`): a
+    query head's score is a vector dot per block times the block's scale, and the values are added
+    into the output per block with weight times scale. The cache is read once in its compact form and
+    never decoded into a float copy. With `rotate` the rows hold Hadamard-rotated heads (see the module).
     """
-    n_pos = keys.shape[0]
-    head_dim = q.shape[0] // n_heads
-    query = q.copy().reshape(1, -1)
-    if rotate:
-        hadamard_rows(query, head_dim)
-    query *= np.float32(1.0 / math.sqrt(head_dim))
-    n_spans = (n_pos + span - 1) // span
-    partial = np.zeros((n_spans, q.shape[0]), np.float32)
-    stats = np.empty((n_spans, n_heads, 2), np.float32)
-    for c in prange(n_spans):
-        s0, s1 = c * span, min((c + 1) * span, n_pos)
-        weights = np.empty((n_heads, s1 - s0), np.float32)
-        score_rows(query[0], keys[s0:s1], fmt, n_heads, weights)
-        softmax_span(weights, s1 - s0, stats[c])
-        mix_rows(weights, values[s0:s1], fmt, n_heads, partial[c])
-    out = combine_spans(partial, stats, n_heads).reshape(1, -1)
-    if rotate:
-        hadamard_rows(out, head_dim)
-    return out[0]
+    return attend_rows(q, keys, values, 0, keys.shape[0], n_heads, fmt, rotate)

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from inferno import kernels
 from inferno.errors import InfernoError
 from inferno.kv import blocks, kivi, recent
 from inferno.kv.geometry import KVGeometry
@@ -97,14 +96,19 @@ class ElementType:
         return out
 
     def attend(
-        self, query: np.ndarray, keys: np.ndarray, values: np.ndarray, geometry: KVGeometry
+        self, query: np.ndarray, keys: np.ndarray, values: np.ndarray, geometry: KVGeometry, start: int = 0,
+        end: int | None = None,
     ) -> np.ndarray:
-        """Decode attention of one query row [heads * head_dim] over stored rows keys, values."""
-        if self.fmt is None:
-            return kernels.attention_decode(query, keys, values, geometry.heads)
-        return blocks.attention_decode_rows(query, keys, values, geometry.heads, self.fmt, self.rotate,
-                                            kernels.decode_span(keys.shape[0]))
+        """Decode attention of one query row [heads * head_dim] over stored rows start .. end - 1 of
+        keys, values (default: all of them), read where they are (blocks.attend_tables)."""
+        end = keys.shape[0] if end is None else end
+        return blocks.attend_rows(query, keys, values, start, end, geometry.heads, self.kernel_fmt,
+                                  self.rotate)
 
+    @property
+    def kernel_fmt(self) -> int:
+        """The row format attention reads (blocks.FMT_F32 for float32 rows)."""
+        return blocks.FMT_F32 if self.fmt is None else self.fmt
 
     def make_store(self, geometry: KVGeometry, capacity: int) -> RowStore:
         """Buffers for `capacity` tokens of every layer, in this element type."""
@@ -140,8 +144,7 @@ class RowStore:
         return self.dtype.decode(keys, self.geometry), self.dtype.decode(values, self.geometry)
 
     def attend(self, layer: int, query: np.ndarray, end: int, start: int = 0) -> np.ndarray:
-        keys, values = self.stored(layer, end)
-        return self.dtype.attend(query, keys[start:], values[start:], self.geometry)
+        return self.dtype.attend(query, self.keys[layer], self.values[layer], self.geometry, start, end)
 
     def clear(self) -> None:
         pass  # stale rows past the cache's length are never read

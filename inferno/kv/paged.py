@@ -1,15 +1,28 @@
 """`--kv paged`: K and V in a pool of fixed-size blocks that many sequences share (vLLM's PagedAttention).
 
-A `BlockPool` holds K and V as [layers, blocks, block_size, kv_width]; each sequence (`PagedKVCache`)
-owns a block table, the pool's blocks holding its positions in order, and gets a new block only when
-its last one is full. Blocks carry reference counts, so sequences forked from one prompt hold its
-blocks once; the first write into a shared block that is not full copies it first (copy-on-write).
+A `BlockPool` holds K and V rows in any row element type (f32, f16, q8_0, q8_0h, q4_0, q4_0h: encoded
+as they are written); each sequence (`PagedKVCache`) owns block tables, the pool's blocks holding its
+positions in order, and gets a new block only when its last one is full. Blocks carry reference counts,
+so sequences forked from one prompt hold its blocks once; the first write into a shared block that is
+not full copies it first (copy-on-write).
+
+Layers are grouped as vLLM's hybrid allocator groups them (`layer_groups`): every group has the same
+number of layers, and the layers of a group share one window (None: global; a sliding-window layer of
+Gemma 3 attends over its last `window` positions). A block id is one page of `group_layers` layers:
+storage [group_layers, blocks, block_size, row], the layer at slot j of a group reading [j, block].
+Each group has its own block table per sequence. A sliding group releases a block once no future query
+can see it (its table slot becomes a hole, -1), so it holds about window / block_size + 2 blocks.
 
 Full blocks can be published under a hash of their tokens chained to their parent's (vLLM's automatic
 prefix caching): a later prompt starting with the same tokens adopts those blocks instead of
 prefilling them. A block no sequence holds keeps its contents and hash until the pool needs it back.
 
-Decode attention reads the blocks where they are, through the block table (`paged_attention`).
+Decode attention reads the blocks where they are, through the block table: the one decode-attention
+kernel of every layout (`inferno.kv.blocks.attend_tables`).
+
+A scheduler reserves blocks before a forward, never inside it: `PagedKVCache.blocks_needed(end)` is
+what `prepare(length, end)` takes from the pool (`BlockPool.free_blocks` is what it can give), and
+`prepare` refuses (KVCacheFullError) without changing anything when the pool cannot supply them.
 """
 
 from __future__ import annotations
@@ -17,20 +30,24 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
-from numba import prange
 
+from inferno import kernels
 from inferno.errors import InfernoError
-from inferno.jit import njit
-from inferno.kernels import DECODE_SPAN, combine_spans, softmax_span
 from inferno.kv.base import KVCache, KVCacheFullError
-from inferno.kv.dtypes import F32
+from inferno.kv.blocks import attend_tables
+from inferno.kv.dtypes import F32, ElementType, element_type
 from inferno.kv.geometry import KVGeometry
 from inferno.kv.prealloc import lazy_zeros
 
 ITEMSIZE = np.dtype(np.float32).itemsize
 BLOCK_SIZE = 16  # tokens per block: vLLM's default
+HOLE = -1  # a table slot whose block a sliding group released
+# Row element types a pool holds: q4_kivi and q4_recent keep state across positions of one sequence
+# (groups of 64 keys per channel, a ring of the newest rows and key means) that no block holds alone.
+PAGED_DTYPES = (F32, "f16", "q8_0", "q8_0h", "q4_0", "q4_0h")
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -43,41 +60,100 @@ def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
     return hash((parent, tuple(tokens)))
 
 
-class BlockPool:
-    """The blocks sequences share: storage, reference counts, the free list and the prefix index."""
+def group_hash(group: int, digest: int) -> int:
+    """The prefix index's key of a block of layer group `group` holding the tokens `digest` names."""
+    return digest if group == 0 else hash(("group", group, digest))
 
-    def __init__(self, geometry: KVGeometry, n_blocks: int, block_size: int = BLOCK_SIZE):
+
+def paged_element_type(dtype: str) -> ElementType:
+    """The element type `dtype` names, refused in one line when a pool cannot hold it."""
+    if dtype not in PAGED_DTYPES:
+        element_type(dtype)  # an unknown name gets the list of every element type
+        raise InfernoError(f"a paged cache holds {', '.join(PAGED_DTYPES)} rows, not {dtype} "
+                           "(its rows keep per-sequence state no block holds; prealloc holds any)")
+    return element_type(dtype)
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    layers: tuple[int, ...]
+    window: int | None  # positions each of its layers attends to; None: all of them
+
+
+def layer_groups(geometry: KVGeometry) -> tuple[LayerGroup, ...]:
+    """The layers in groups of one window each, all groups of the same size (the gcd of the counts of
+    layers per window, as vLLM's hybrid allocator makes them): global layers first, so group 0 is the
+    global one whenever a layer is global. A model without sliding layers is one group of all layers."""
+    windows = geometry.windows or (None,) * geometry.layers
+    by_window: dict[int | None, list[int]] = {}
+    for layer, window in enumerate(windows):
+        by_window.setdefault(window, []).append(layer)
+    size = math.gcd(*(len(layers) for layers in by_window.values()))
+    order = sorted(by_window, key=lambda w: (w is not None, w or 0))
+    return tuple(LayerGroup(tuple(by_window[w][i : i + size]), w)
+                 for w in order for i in range(0, len(by_window[w]), size))
+
+
+class BlockPool:
+    """The blocks sequences share: storage, reference counts, the free list and the prefix index.
+
+    keys, values: [group_layers, n_blocks, block_size, row_items] of the element type's storage; a
+    block belongs to one layer group at a time, its slot j holding the rows of the group's j-th layer.
+    """
+
+    def __init__(self, geometry: KVGeometry, n_blocks: int, block_size: int = BLOCK_SIZE, dtype: str = F32):
         if block_size < 1:
             raise InfernoError(f"a block holds at least one token, got a block size of {block_size}")
         if n_blocks < 1:
             raise InfernoError(f"a block pool needs at least one block, got {n_blocks}")
-        if geometry.sliding:
-            raise InfernoError("the paged cache attends over every position: it does not keep a model's "
-                               "sliding windows (use --kv prealloc or window)")
+        self.dtype = paged_element_type(dtype)
+        self.row_items = self.dtype.row_items(geometry)  # refuses a geometry the element type cannot store
         self.geometry = geometry
         self.block_size = block_size
         self.n_blocks = n_blocks
-        shape = (geometry.layers, n_blocks, block_size, geometry.kv_width)
-        self.keys = lazy_zeros(shape)  # pages become resident as blocks are first written
-        self.values = lazy_zeros(shape)
+        self.groups = layer_groups(geometry)
+        self.group_layers = len(self.groups[0].layers)
+        self.slot_of = [(0, 0)] * geometry.layers  # layer -> (its group, its slot in the group's blocks)
+        for g, group in enumerate(self.groups):
+            for slot, layer in enumerate(group.layers):
+                self.slot_of[layer] = (g, slot)
+        shape = (self.group_layers, n_blocks, block_size, self.row_items)
+        self.keys = lazy_zeros(shape, self.dtype.storage)  # pages become resident as blocks are first written
+        self.values = lazy_zeros(shape, self.dtype.storage)
+        # each slot's rows [n_blocks * block_size, row_items] (views): the attention kernel's rows
+        self.key_rows = [self.keys[j].reshape(-1, self.row_items) for j in range(self.group_layers)]
+        self.value_rows = [self.values[j].reshape(-1, self.row_items) for j in range(self.group_layers)]
         self.refs = np.zeros(n_blocks, np.int32)
         self._free = list(range(n_blocks - 1, -1, -1))  # popped from the end: block 0 first
         self._idle: OrderedDict[int, int] = OrderedDict()  # unheld published blocks, oldest first -> hash
         self._by_hash: dict[int, int] = {}  # published block hash -> block
         self._hash_of: dict[int, int] = {}
 
+    @staticmethod
+    def sequence_blocks(geometry: KVGeometry, tokens: int, block_size: int = BLOCK_SIZE) -> int:
+        """Blocks one sequence of `tokens` positions can hold at once: every layer group's blocks for all
+        of them (a prompt prefilled in one chunk is held whole, sliding groups included, until commit)."""
+        return len(layer_groups(geometry)) * blocks_for(tokens, block_size)
+
     @classmethod
-    def for_tokens(cls, geometry: KVGeometry, tokens: int, block_size: int = BLOCK_SIZE) -> BlockPool:
-        return cls(geometry, blocks_for(tokens, block_size), block_size)
+    def for_tokens(cls, geometry: KVGeometry, tokens: int, block_size: int = BLOCK_SIZE,
+                   dtype: str = F32) -> BlockPool:
+        return cls(geometry, cls.sequence_blocks(geometry, tokens, block_size), block_size, dtype)
+
+    @staticmethod
+    def planned_block_nbytes(geometry: KVGeometry, block_size: int = BLOCK_SIZE, dtype: str = F32) -> int:
+        """K and V bytes of one block: block_size rows of every layer of a group."""
+        group_layers = len(layer_groups(geometry)[0].layers)
+        return 2 * group_layers * block_size * paged_element_type(dtype).row_bytes(geometry)
 
     @property
     def block_nbytes(self) -> int:
-        """K and V bytes of one block, all layers."""
-        return self.geometry.nbytes(self.block_size, ITEMSIZE)
+        """K and V bytes of one block (a group's layers; all layers when none slides)."""
+        return self.planned_block_nbytes(self.geometry, self.block_size, self.dtype.name)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the whole pool (what it can hold)."""
+        """Bytes of the whole pool (what it can hold): its storage's."""
         return self.n_blocks * self.block_nbytes
 
     @property
@@ -119,7 +195,7 @@ class BlockPool:
                 self._free.append(block)
 
     def copy(self, src: int, dst: int, rows: int) -> None:
-        """The first `rows` positions of block src, every layer, into block dst."""
+        """The first `rows` stored rows of block src, every layer of its group, into block dst."""
         self.keys[:, dst, :rows] = self.keys[:, src, :rows]
         self.values[:, dst, :rows] = self.values[:, src, :rows]
 
@@ -134,194 +210,272 @@ class BlockPool:
 
 
 class PagedKVCache(KVCache):
-    """One sequence's view of a block pool: its block table and length. Alone (no pool given) it owns
-    a pool sized for its capacity, so `--kv paged` works wherever the other kinds do."""
+    """One sequence's view of a block pool: a block table per layer group, and its length. Alone (no
+    pool given) it owns a pool sized for its capacity, so `--kv paged` works wherever the other kinds
+    do. With a pool, its element type is the pool's."""
 
     kind = "paged"
+    dtypes = PAGED_DTYPES
 
     def __init__(self, geometry: KVGeometry, capacity: int, block_size: int = BLOCK_SIZE,
-                 pool: BlockPool | None = None, dtype: str = F32):
+                 pool: BlockPool | None = None, dtype: str | None = None):
+        if pool is not None and dtype is not None and dtype != pool.dtype.name:
+            raise InfernoError(f"a paged cache holds its pool's rows: {pool.dtype.name}, not {dtype}")
+        dtype = pool.dtype.name if pool is not None else (dtype or F32)
         super().__init__(geometry, capacity, dtype)
-        self.pool = pool or BlockPool.for_tokens(geometry, capacity, block_size)
-        self.table: list[int] = []  # pool block of positions [i * block_size, (i + 1) * block_size)
-        self.table_array = np.zeros(0, np.int32)  # the same, as the attention kernel reads it
-        self.published = 0  # leading blocks whose hashes are in the pool's prefix index
-        self._last_hash: int | None = None
+        self.pool = pool or BlockPool.for_tokens(geometry, capacity, block_size, dtype)
+        self.groups = self.pool.groups
+        self.tables: list[list[int]] = [[] for _ in self.groups]  # per group: block of positions
+        self.table_arrays = [np.zeros(0, np.int32) for _ in self.groups]  # [i * bs, (i + 1) * bs), as read
+        self.published = 0  # leading full blocks whose hashes are in the pool's prefix index
+        self._digests: list[int] = []  # token hash of each full block published, chained
+        self._memo: dict[tuple[int, int], np.ndarray] = {}  # (group, end) -> attention_range
+
+    @classmethod
+    def element_type(cls, dtype: str) -> ElementType:
+        return paged_element_type(dtype)
 
     @classmethod
     def planned_nbytes(
         cls, geometry: KVGeometry, capacity: int, block_size: int = BLOCK_SIZE, dtype: str = F32
     ) -> int:
-        cls.element_type(dtype)
-        return geometry.nbytes(blocks_for(capacity, block_size) * block_size, ITEMSIZE)
+        """The bytes of the pool a lone cache of `capacity` allocates (BlockPool.for_tokens)."""
+        blocks = BlockPool.sequence_blocks(geometry, capacity, block_size)
+        return blocks * BlockPool.planned_block_nbytes(geometry, block_size, dtype)
 
     @property
     def block_size(self) -> int:
         return self.pool.block_size
 
+    # group 0's table (the global layers' whenever a layer is global): what kv-inspect shows
+    @property
+    def table(self) -> list[int]:
+        return self.tables[0]
+
+    @table.setter
+    def table(self, blocks: list[int]) -> None:
+        self.tables[0] = list(blocks)
+
+    @property
+    def table_array(self) -> np.ndarray:
+        return self.table_arrays[0]
+
+    @table_array.setter
+    def table_array(self, blocks: np.ndarray) -> None:
+        self.table_arrays[0] = np.asarray(blocks, np.int32)
+
+    def held_blocks(self) -> list[int]:
+        """Every block this sequence holds, all groups (holes left out)."""
+        return [b for table in self.tables for b in table if b != HOLE]
+
     @property
     def nbytes(self) -> int:
         """Bytes of the blocks this sequence holds (shared ones included: see BlockPool.used_nbytes)."""
-        return len(self.table) * self.pool.block_nbytes
+        return len(self.held_blocks()) * self.pool.block_nbytes
 
     # -- sharing -------------------------------------------------------------------------------
 
     def fork(self, capacity: int | None = None) -> PagedKVCache:
-        """A sequence holding the same committed tokens in the same blocks (reference counted)."""
+        """A sequence holding the same committed tokens in the same blocks (reference counted), in every
+        layer group."""
         if any(written != self.length for written in self._written):
             raise ValueError("fork of a sequence with uncommitted rows")
         other = PagedKVCache(self.geometry, capacity or self.capacity, pool=self.pool)
-        for block in self.table:
+        for block in self.held_blocks():
             self.pool.share(block)
-        other._adopt(list(self.table), self.length)
-        other.published, other._last_hash = self.published, self._last_hash
+        other._adopt([list(t) for t in self.tables], self.length)
+        other.published, other._digests = self.published, list(self._digests)
         return other
 
     def reuse_prefix(self, token_ids: Sequence[int]) -> int:
         """Adopt the published blocks holding a prefix of token_ids (this sequence must be empty);
-        the tokens reused. The last token is always left to prefill: its logits are needed."""
-        if self.length or self.table:
+        the tokens reused. The last token is always left to prefill: its logits are needed.
+
+        A prefix of n blocks is reused when every group still has in the index the blocks a query past
+        it can see: a global group all n, a sliding group those holding the last `window` positions."""
+        if self.length or any(self.tables):
             raise ValueError("reuse_prefix needs an empty sequence")
-        bs, parent, blocks = self.block_size, None, []
+        bs, pool, parent, digests, found = self.block_size, self.pool, None, [], []
         for i in range((len(token_ids) - 1) // bs):
-            digest = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
-            block = self.pool.lookup(digest)
-            if block is None:
-                break
-            self.pool.share(block)
-            blocks.append(block)
-            parent = digest
-        self._adopt(blocks, len(blocks) * bs)
-        self.published, self._last_hash = len(blocks), parent
+            parent = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
+            found.append([pool.lookup(group_hash(g, parent)) for g in range(len(self.groups))])
+            digests.append(parent)
+        n = len(found)
+        while n and not all(self._reusable(g, found, n) for g in range(len(self.groups))):
+            n -= 1
+        tables: list[list[int]] = []
+        for g in range(len(self.groups)):
+            first = self._first_needed(g, n * bs)
+            table = [HOLE] * first + [found[i][g] for i in range(first, n)]  # type: ignore[misc]
+            for block in table[first:]:
+                pool.share(block)
+            tables.append(table)
+        self._adopt(tables, n * bs)
+        self.published, self._digests = n, digests[:n]
         return self.length
 
+    def _first_needed(self, g: int, length: int) -> int:
+        """The first block of group g a query at position `length` or later can see."""
+        window = self.groups[g].window
+        return 0 if window is None else max(length + 1 - window, 0) // self.block_size
+
+    def _reusable(self, g: int, found: list[list[int | None]], n: int) -> bool:
+        return all(found[i][g] is not None for i in range(self._first_needed(g, n * self.block_size), n))
+
     def publish(self, token_ids: Sequence[int]) -> None:
-        """Index this sequence's full committed blocks by their tokens (token_ids: those it holds)."""
+        """Index this sequence's full committed blocks by their tokens (token_ids: those it holds); a
+        block a sliding group released is not published."""
         bs = self.block_size
         for i in range(self.published, self.length // bs):
-            self._last_hash = block_hash(self._last_hash, token_ids[i * bs : (i + 1) * bs])
-            self.pool.publish(self.table[i], self._last_hash)
+            parent = self._digests[-1] if self._digests else None
+            self._digests.append(block_hash(parent, token_ids[i * bs : (i + 1) * bs]))
+            for g, table in enumerate(self.tables):
+                if table[i] != HOLE:
+                    self.pool.publish(table[i], group_hash(g, self._digests[-1]))
         self.published = max(self.published, self.length // bs)
 
-    def _adopt(self, blocks: list[int], length: int) -> None:
-        self.table = blocks
-        self.table_array = np.array(blocks, np.int32)
+    def _adopt(self, tables: list[list[int]], length: int) -> None:
+        self.tables = tables
+        self.table_arrays = [np.array(t, np.int32) for t in tables]
         self.length = length
         self._written = [length] * self.n_layers
 
-    # -- the KVCache protocol ------------------------------------------------------------------
+    # -- blocks for a scheduler ------------------------------------------------------------------
+
+    def _needs(self, pos: int, end: int) -> list[tuple[bool, int]]:
+        """Per group: whether the block pos falls in is shared and must be copied before a write, and
+        how many new blocks positions up to end - 1 take."""
+        bs, refs, needs = self.block_size, self.pool.refs, []
+        first = pos // bs
+        for table in self.tables:
+            copy = first < len(table) and table[first] != HOLE and refs[table[first]] > 1
+            needs.append((copy, max(blocks_for(end, bs) - len(table), 0)))
+        return needs
+
+    def blocks_needed(self, end: int) -> int:
+        """Free blocks `prepare(self.length, end)` takes from the pool, over every layer group: new blocks
+        and private copies of shared partial ones (a scheduler checks this against pool.free_blocks)."""
+        return sum(copy + new for copy, new in self._needs(self.length, end))
 
     def prepare(self, pos: int, end: int) -> None:
-        """Make positions pos .. end - 1 writable: new blocks past the table, a private copy of a
-        shared block that pos falls in. Every layer writes the same positions, so only the first does
-        work (a copy made then holds the other layers' earlier rows too)."""
-        bs, pool = self.block_size, self.pool
-        first = pos // bs
-        if first < len(self.table) and pool.refs[self.table[first]] > 1:
-            private = pool.allocate()
-            pool.copy(self.table[first], private, pos - first * bs)
-            pool.release(self.table[first])
-            self.table[first] = private
-            self.table_array[first] = private
-        if blocks_for(end, bs) > len(self.table):
-            while blocks_for(end, bs) > len(self.table):
-                self.table.append(pool.allocate())
-            self.table_array = np.array(self.table, np.int32)
+        """Make positions pos .. end - 1 writable in every layer group: new blocks past the tables, a
+        private copy of a shared block that pos falls in. Refused (KVCacheFullError), with nothing
+        changed, when the pool cannot supply them. Every layer writes the same positions, so only the
+        first does work (a copy made then holds the other layers' earlier rows too)."""
+        needs = self._needs(pos, end)
+        wanted = sum(copy + new for copy, new in needs)
+        if not wanted:
+            return
+        pool = self.pool
+        if wanted > pool.free_blocks:
+            raise KVCacheFullError(f"the KV block pool is full: positions {pos}..{end - 1} need {wanted} "
+                                   f"block(s), {pool.free_blocks} of {pool.n_blocks} are free")
+        bs, first = self.block_size, pos // self.block_size
+        for g, (copy, new) in enumerate(needs):
+            table = self.tables[g]
+            if copy:
+                private = pool.allocate()
+                pool.copy(table[first], private, pos - first * bs)
+                pool.release(table[first])
+                table[first] = private
+            table.extend(pool.allocate() for _ in range(new))
+            if copy or new:
+                self.table_arrays[g] = np.array(table, np.int32)
+
+    def _release_unseen(self) -> None:
+        """Give back the blocks of sliding groups no future query can see (positions before
+        length + 1 - window): their table slots become holes."""
+        for g, group in enumerate(self.groups):
+            if group.window is None:
+                continue
+            table, changed = self.tables[g], False
+            for i in range(self._first_needed(g, self.length)):
+                if table[i] != HOLE:
+                    self.pool.release(table[i])
+                    table[i], changed = HOLE, True
+            if changed:
+                self.table_arrays[g] = np.array(table, np.int32)
+
+    # -- the KVCache protocol ------------------------------------------------------------------
+
+    def commit(self, n_tokens: int) -> None:
+        super().commit(n_tokens)
+        self._release_unseen()
 
     def _store(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
+        g = self.geometry
+        self._store_stored(layer, pos, self.dtype.encode(k, g), self.dtype.encode(v, g))
+
+    def _store_stored(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
         end, bs = pos + k.shape[0], self.block_size
-        self.prepare(pos, end)
-        p = pos
+        self.prepare(pos, end)  # nothing to do when the caller prepared
+        group, slot = self.pool.slot_of[layer]
+        table, p = self.tables[group], pos
+        keys, values = self.pool.keys[slot], self.pool.values[slot]
         while p < end:
-            block, offset = self.table[p // bs], p % bs
+            block, offset = table[p // bs], p % bs
             n = min(bs - offset, end - p)
-            self.pool.keys[layer, block, offset : offset + n] = k[p - pos : p - pos + n]
-            self.pool.values[layer, block, offset : offset + n] = v[p - pos : p - pos + n]
+            keys[block, offset : offset + n] = k[p - pos : p - pos + n]
+            values[block, offset : offset + n] = v[p - pos : p - pos + n]
             p += n
 
+    def _stored_span(self, layer: int, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Stored rows of positions start .. end - 1 of `layer`, gathered from its blocks (a copy)."""
+        group, slot = self.pool.slot_of[layer]
+        bs, table = self.block_size, self.table_arrays[group]
+        blocks = table[start // bs : blocks_for(end, bs)]
+        if (blocks == HOLE).any():
+            window = self.groups[group].window
+            gone = self._first_needed(group, self.length) * bs
+            raise InfernoError(f"layer {layer} slides over {window} positions: positions before {gone} "
+                               f"were released, {start} asked for")
+        cut = slice(start % bs, start % bs + end - start)
+        keys = self.pool.keys[slot, blocks].reshape(-1, self.pool.row_items)[cut]
+        return keys, self.pool.values[slot, blocks].reshape(-1, self.pool.row_items)[cut]
+
     def _rows(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        """A gathered copy (prefill's attention, snapshots, kv-inspect); decode reads blocks in place."""
-        blocks = self.table_array[: blocks_for(end, self.block_size)]
-        width = self.kv_width
-        keys = self.pool.keys[layer, blocks].reshape(-1, width)[:end]
-        return keys, self.pool.values[layer, blocks].reshape(-1, width)[:end]
+        """A gathered copy (snapshots, kv-inspect), as float32; decode reads blocks in place."""
+        keys, values = self._stored_span(layer, 0, end)
+        return self.dtype.decode(keys, self.geometry), self.dtype.decode(values, self.geometry)
+
+    def stored_rows(self, layer: int, end: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        end = self.length if end is None else end
+        if end > self._written[layer]:
+            raise ValueError(f"layer {layer} holds {self._written[layer]} rows, {end} asked for")
+        return self._stored_span(layer, 0, end)
 
     def _clear(self) -> None:
-        for block in self.table:
+        for block in self.held_blocks():
             self.pool.release(block)
-        self._adopt([], 0)
-        self.published, self._last_hash = 0, None
+        self._adopt([[] for _ in self.groups], 0)
+        self.published, self._digests = 0, []
+
+    def attend_new(self, layer: int, pos: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """Prefill's attention over the rows each query sees: a sliding layer's last `window` only."""
+        self.write(layer, pos, k, v)
+        window = self.geometry.window(layer)
+        start = 0 if window is None else max(pos + 1 - window, 0)
+        keys, values = self._stored_span(layer, start, pos + k.shape[0])
+        keys, values = self.dtype.decode(keys, self.geometry), self.dtype.decode(values, self.geometry)
+        return kernels.attention_prefill(q, keys, values, self.geometry.heads, pos - start, window=window)
 
     def attend(self, layer: int, query: np.ndarray, end: int) -> np.ndarray:
         if end > self._written[layer]:
             raise ValueError(f"layer {layer} holds {self._written[layer]} rows, {end} asked for")
-        tables = self.table_array[None, : blocks_for(end, self.block_size)]
+        group, slot = self.pool.slot_of[layer]
+        ranges = self._memo.get((group, end))
+        if ranges is None:  # every layer of a step attends with the same end: one per group and step
+            if any(e != end for _, e in self._memo):
+                self._memo.clear()
+            ranges = self._memo[(group, end)] = self.attention_range(group, end)[None]
         pool = self.pool
-        return paged_attention(query[None], pool.keys[layer], pool.values[layer], tables,
-                               np.array([end], np.int64), self.geometry.heads)[0]
+        return attend_tables(query[None], pool.key_rows[slot], pool.value_rows[slot],
+                             self.table_arrays[group][None], ranges, self.block_size, self.geometry.heads,
+                             self.dtype.kernel_fmt, self.dtype.rotate)[0]
 
-
-@njit(cache=True, fastmath=True)
-def attend_blocks(q: np.ndarray, keys: np.ndarray, values: np.ndarray, table: np.ndarray, s0: int,
-                  s1: int, n_heads: int, weights: np.ndarray, out: np.ndarray, stats: np.ndarray) -> None:
-    """kernels.attend_span for positions s0 .. s1 - 1 of a sequence whose rows sit in the pool blocks
-    its table names: keys, values [blocks, block_size, kv_width] of one layer. Unnormalised softmax
-    per head (out, stats), combined across spans by paged_attention."""
-    block_size, kv_width = keys.shape[1], keys.shape[2]
-    head_dim = q.shape[0] // n_heads
-    n_kv = kv_width // head_dim
-    group = n_heads // n_kv
-    scale = np.float32(1.0 / math.sqrt(head_dim))
-    n_pos = s1 - s0
-    for s in range(n_pos):
-        block, row = table[(s0 + s) // block_size], (s0 + s) % block_size
-        for g in range(n_kv):
-            kh = keys[block, row, g * head_dim : (g + 1) * head_dim]
-            for h in range(g * group, (g + 1) * group):
-                qh = q[h * head_dim : (h + 1) * head_dim]
-                acc = np.float32(0.0)
-                for j in range(head_dim):
-                    acc += qh[j] * kh[j]
-                weights[h, s] = acc * scale
-    softmax_span(weights, n_pos, stats)
-    out[:] = 0.0
-    for s in range(n_pos):
-        block, row = table[(s0 + s) // block_size], (s0 + s) % block_size
-        for g in range(n_kv):
-            vh = values[block, row, g * head_dim : (g + 1) * head_dim]
-            for h in range(g * group, (g + 1) * group):
-                w = weights[h, s]
-                oh = out[h * head_dim : (h + 1) * head_dim]
-                for j in range(head_dim):
-                    oh[j] += w * vh[j]
-
-
-@njit(cache=True, fastmath=True, parallel=True)
-def paged_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, tables: np.ndarray,
-                    lengths: np.ndarray, n_heads: int) -> np.ndarray:
-    """One query per sequence over that sequence's blocks (flash-decoding over block tables).
-
-    q [B, n_heads * head_dim]; keys, values [blocks, block_size, kv_width] of one layer of the pool;
-    tables int32 [B, max blocks] (row b: sequence b's blocks); lengths int64 [B] (positions attended).
-    Every sequence's positions are cut into spans of DECODE_SPAN; all spans of all sequences run in
-    parallel, then each sequence's spans are rescaled to its global maximum and summed.
-    """
-    n_seq, width = q.shape
-    first = np.zeros(n_seq + 1, np.int64)  # sequence b's spans are first[b] .. first[b + 1] - 1
-    for b in range(n_seq):
-        first[b + 1] = first[b] + (lengths[b] + DECODE_SPAN - 1) // DECODE_SPAN
-    owner = np.empty(first[n_seq], np.int64)
-    for b in range(n_seq):
-        owner[first[b] : first[b + 1]] = b
-    partial = np.empty((first[n_seq], width), np.float32)
-    stats = np.empty((first[n_seq], n_heads, 2), np.float32)
-    for t in prange(first[n_seq]):
-        b = owner[t]
-        s0 = (t - first[b]) * DECODE_SPAN
-        s1 = min(s0 + DECODE_SPAN, lengths[b])
-        weights = np.empty((n_heads, s1 - s0), np.float32)
-        attend_blocks(q[b], keys, values, tables[b], s0, s1, n_heads, weights, partial[t], stats[t])
-    out = np.empty_like(q)
-    for b in range(n_seq):
-        out[b] = combine_spans(partial[first[b] : first[b + 1]], stats[first[b] : first[b + 1]], n_heads)
-    return out
+    def attention_range(self, group: int, end: int) -> np.ndarray:
+        """int64 [start, end, span]: the positions a query at end - 1 sees in `group`, and the span of
+        positions per parallel task (kernels.decode_span, read now: not compiled into the kernel)."""
+        window = self.groups[group].window
+        start = 0 if window is None else max(end - window, 0)
+        return np.array([start, end, kernels.decode_span(end - start)], np.int64)
