@@ -13,7 +13,9 @@ from inferno.cli.generate import main as generate_main
 from inferno.errors import InfernoError
 from inferno.gguf_file import open_gguf
 from inferno.kernels import Rotary, attention_window
-from inferno.kv import KVGeometry, make_cache
+from inferno.kv import KVCacheFullError, KVGeometry, make_cache, planned_nbytes
+from inferno.kv.dtypes import element_type
+from inferno.kv.prealloc import PreallocKVCache
 from inferno.kv.window import WindowKVCache
 from inferno.model import Transformer
 from inferno.snapshot import Snapshot
@@ -151,6 +153,184 @@ def test_windowed_attention_is_each_querys_softmax_over_what_it_may_see():
             np.testing.assert_allclose(got[t, h * head_dim : (h + 1) * head_dim], w @ v / w.sum(), atol=1e-5)
 
 
+# -- element types ---------------------------------------------------------------------------
+
+ROW_DTYPES = WindowKVCache.dtypes
+BLOCKS = KVGeometry(layers=2, kv_heads=2, heads=4, head_dim=32)  # whole blocks of 32: every row type fits
+BLOCKS_ROTARY = [Rotary((10000.0 ** -(np.arange(16) / 16)).astype(np.float32), neox=False)] * 8
+
+
+def random_rows(n: int, seed: int, geometry: KVGeometry = BLOCKS) -> np.ndarray:
+    """Key-like rows: channels of very different sizes, so the element type's rounding shows."""
+    rng = np.random.default_rng(seed)
+    rows = rng.standard_normal((n, geometry.kv_width)) * np.exp(rng.standard_normal(geometry.kv_width))
+    return rows.astype(np.float32)
+
+
+def kept_attention(dtype, keys, values, query, end, window, sinks, positions, layer=0):
+    """The query at end - 1 over the kept positions computed another way: a prealloc cache of the same
+    element type holding only those rows in position order, the sinks moved by the slide for shift."""
+    held = sinks + window
+    kept = np.arange(end) if end <= held else np.concatenate([np.arange(sinks), np.arange(end - window, end)])
+    k = keys[kept].copy()
+    if positions == "shift" and end > held:
+        BLOCKS_ROTARY[layer].rotate(k[:sinks], BLOCKS.kv_heads, np.full(sinks, end - held))
+    ref = PreallocKVCache(BLOCKS, len(kept), dtype)
+    ref.write(layer, 0, k, values[kept])
+    return ref.store.attend(layer, query, len(kept))
+
+
+@pytest.mark.parametrize("positions", ["shift", "original"])
+@pytest.mark.parametrize("dtype", ROW_DTYPES)
+def test_decode_attention_of_each_row_dtype_is_prealloc_until_it_evicts_then_the_kept_rows(dtype, positions):
+    window, sinks, n = 6, 2, 21
+    keys, values = random_rows(n, 1), random_rows(n, 2)
+    queries = random_queries(n, 3)
+    cache = WindowKVCache(BLOCKS, 64, window=window, sinks=sinks, positions=positions,
+                          rotary=BLOCKS_ROTARY, dtype=dtype)
+    full = make_cache("prealloc", BLOCKS, 64, dtype)  # no window: it sees every position
+    for t in range(n):
+        for c in (cache, full):
+            for layer in range(BLOCKS.layers):
+                c.write(layer, t, keys[t : t + 1], values[t : t + 1])
+            c.commit(1)
+        got = cache.attend(1, queries[t], t + 1)
+        if t + 1 <= sinks + window:  # nothing evicted: the same stored rows in the same order, same bits
+            np.testing.assert_array_equal(got, full.attend(1, queries[t], t + 1))
+            np.testing.assert_array_equal(cache.read(0)[0], full.read(0)[0])
+        else:
+            want = kept_attention(dtype, keys, values, queries[t], t + 1, window, sinks, positions, layer=1)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert cache.evicted_tokens == n - sinks - window
+    # readers get the kept rows as the element type rounds them, the sinks at their own rotation
+    rounding = element_type(dtype)
+    at, held_keys, held_values = cache.held_rows(0)
+    np.testing.assert_array_equal(held_keys, rounding.decode(rounding.encode(keys[at], BLOCKS), BLOCKS))
+    np.testing.assert_array_equal(held_values, rounding.decode(rounding.encode(values[at], BLOCKS), BLOCKS))
+    assert cache.nbytes == planned_nbytes("window", BLOCKS, 64, dtype, window=window, sinks=sinks,
+                                          positions=positions)
+
+
+def random_queries(n: int, seed: int) -> np.ndarray:
+    return (0.3 * np.random.default_rng(seed).standard_normal((n, BLOCKS.heads * BLOCKS.head_dim))).astype(
+        np.float32)
+
+
+def prefill_and_decode(dtype: str, positions: str) -> tuple[np.ndarray, np.ndarray]:
+    """Attention of 14 queries past the ring's first wrap (window 6, 2 sinks, 10 positions already in):
+    at once (prefill), and token by token (decode)."""
+    keys, values, queries = random_rows(24, 4), random_rows(24, 5), random_queries(24, 6)
+
+    def cache():
+        c = WindowKVCache(BLOCKS, 64, window=6, sinks=2, positions=positions, rotary=BLOCKS_ROTARY,
+                          dtype=dtype)
+        for layer in range(BLOCKS.layers):
+            c.attend_new(layer, 0, queries[:10], keys[:10], values[:10])
+        c.commit(10)
+        return c
+
+    at_once, stepped = cache(), cache()
+    prefilled = at_once.attend_new(0, 10, queries[10:], keys[10:], values[10:])
+    decoded = []
+    for t in range(10, 24):
+        stepped.write(0, t, keys[t : t + 1], values[t : t + 1])
+        decoded.append(stepped.attend(0, queries[t], t + 1))
+    np.testing.assert_array_equal(at_once.held_rows(0)[1], stepped.held_rows(0)[1])
+    return prefilled, np.array(decoded)
+
+
+@pytest.mark.parametrize("positions", ["shift", "original"])
+@pytest.mark.parametrize("dtype", ROW_DTYPES)
+def test_prefill_over_an_evicting_ring_agrees_with_decode_for_each_row_dtype(dtype, positions):
+    """original: the same rounded rows both ways. shift: prefill scores the sinks rounded unmoved (its
+    queries move back), decode rounds them moved, so they differ by less than either's rounding error
+    against float32 rows (measured: 0.35-0.63 of it)."""
+    prefilled, decoded = prefill_and_decode(dtype, positions)
+    if positions == "original" or dtype == "f32":
+        np.testing.assert_allclose(prefilled, decoded, rtol=0, atol=2e-5)
+        return
+    _, floats = prefill_and_decode("f32", positions)
+    assert np.linalg.norm(prefilled - decoded) < 0.8 * np.linalg.norm(decoded - floats)
+
+
+@pytest.mark.parametrize("dtype", ROW_DTYPES)
+def test_stored_rows_move_between_window_caches_as_they_are_stored(dtype):
+    """What a snapshot holds: the stored rows (the sinks' at their own rotation once the ring slid)."""
+    source = WindowKVCache(BLOCKS, 64, window=6, sinks=2, rotary=BLOCKS_ROTARY, dtype=dtype)
+    keys, values = random_rows(7, 7), random_rows(7, 8)
+    for layer in range(BLOCKS.layers):
+        source.write(layer, 0, keys, values)
+    source.commit(7)
+    target = WindowKVCache(BLOCKS, 64, window=6, sinks=2, rotary=BLOCKS_ROTARY, dtype=dtype)
+    for layer in range(BLOCKS.layers):
+        target.write_stored(layer, 0, *source.stored_rows(layer))
+    target.commit(7)
+    np.testing.assert_array_equal(target.read(1)[0], source.read(1)[0])
+    assert source.stored_rows(0)[0].dtype == element_type(dtype).storage
+    more = random_rows(10, 9)
+    for c in (source, target):
+        c.write(0, 7, more, more)
+        c.attend(0, random_queries(1, 0)[0], 17)  # slid: the sink slots now hold moved keys
+    np.testing.assert_array_equal(target.stored_rows(0, 2)[0], source.stored_rows(0, 2)[0])
+    np.testing.assert_array_equal(source.read(0, 2)[0], PreallocKVCache(BLOCKS, 2, dtype).store.dtype.decode(
+        element_type(dtype).encode(keys[:2], BLOCKS), BLOCKS))
+
+
+@pytest.mark.parametrize("dtype", ["q4_kivi", "q4_recent"])
+def test_element_types_that_group_positions_are_refused_in_one_line(dtype):
+    held = "f32, f16, q8_0, q8_0h, q4_0, q4_0h"
+    message = rf"a window cache holds {held} rows, not {dtype}: .*prealloc holds it"
+    for make in (make_cache, planned_nbytes):
+        with pytest.raises(InfernoError, match=message) as refused:
+            make("window", BLOCKS, 64, dtype, window=8)
+        assert "\n" not in str(refused.value)
+
+
+SMOLLM2_LIKE = KVGeometry(layers=30, kv_heads=3, heads=9, head_dim=64)
+GEMMA_LIKE = KVGeometry(layers=18, kv_heads=1, heads=4, head_dim=256,
+                        windows=tuple(None if layer % 6 == 5 else 512 for layer in range(18)))
+
+
+@pytest.mark.parametrize("positions", ["shift", "original"])
+@pytest.mark.parametrize(
+    ("geometry", "capacity", "window"),
+    [(SMOLLM2_LIKE, 8192, 256), (SMOLLM2_LIKE, 100, 64), (GEMMA_LIKE, 8, None), (GEMMA_LIKE, 600, None),
+     (GEMMA_LIKE, 516, None), (GEMMA_LIKE, 32768, None)],
+)
+@pytest.mark.parametrize("dtype", ROW_DTYPES)
+def test_planned_bytes_are_what_the_cache_allocates_for_every_row_dtype(dtype, geometry, capacity, window,
+                                                                         positions):
+    options = dict(window=window, positions=positions)
+    cache = make_cache("window", geometry, capacity, dtype, rotary=[ROTARY[0]] * 30, **options)
+    assert cache.nbytes == planned_nbytes("window", geometry, capacity, dtype, **options)
+    rows = cache.rows
+    kv_bytes = 2 * sum(rows) * element_type(dtype).row_bytes(geometry)
+    shifting = sum(cache.wraps) if positions == "shift" else 0
+    assert cache.nbytes == kv_bytes + shifting * 4 * geometry.kv_width * 4  # + the sinks' float32 copies
+
+
+def test_a_gemma_like_cache_for_a_short_request_allocates_only_what_it_keeps():
+    """An 8-token request: 8 rows a layer, sliding or global, as prealloc; not the 516 and 32,768 slots
+    of the model's context (207 MiB in f32)."""
+    for dtype in ("f32", "q8_0"):
+        cache = make_cache("window", GEMMA_LIKE, 8, dtype, rotary=[ROTARY[0]] * 18)
+        assert cache.rows == [8] * 18 and not any(cache.wraps) and cache.capacity == 8
+        assert cache.nbytes == planned_nbytes("prealloc", GEMMA_LIKE, 8, dtype)
+    assert planned_nbytes("window", GEMMA_LIKE, 8) == 2 * 18 * 8 * 256 * 4  # 288 KiB
+    assert planned_nbytes("window", GEMMA_LIKE, 32768) == (
+        2 * (15 * 516 + 3 * 32768) + 15 * 4) * 256 * 4  # 207.2 MiB
+    rows = random_rows(9, 0, GEMMA_LIKE)
+    cache.write(0, 0, rows[:8], rows[:8])  # a sliding layer of 8 slots never wraps: it refuses as prealloc
+    with pytest.raises(KVCacheFullError, match="sized for 8"):
+        cache.write(0, 8, rows[8:], rows[8:])
+    np.testing.assert_allclose(cache.read(0, 8)[0], rows[:8], rtol=0.01, atol=0.02 * np.abs(rows).max())
+    roomy = make_cache("window", GEMMA_LIKE, 600, rotary=[ROTARY[0]] * 18)  # past the window: the rings
+    assert roomy.rows == [600 if w is None else 516 for w in GEMMA_LIKE.windows]
+    long = random_rows(700, 1, GEMMA_LIKE)
+    roomy.write(0, 0, long, long)  # slides, never refuses
+    assert roomy.evicted(0) == 700 - 516
+
+
 # -- on models ---------------------------------------------------------------------------------
 
 
@@ -200,6 +380,29 @@ def test_smollm2_tokens_equal_prealloc_while_they_fit_and_memory_stays_flat_afte
     assert slides.metrics.evicted_tokens == 4 + 39 - 20
     assert slides.metrics.cache_bytes == 2 * 30 * 20 * 192 * 4 + 30 * 4 * 192 * 4  # + the sinks' own keys
     assert slides.token_ids[:12] == full.token_ids[:12]  # identical until the window slides
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0h"])
+def test_smollm2_greedy_tokens_of_a_window_that_evicts_nothing_are_prealloc_of_the_same_dtype(engine, dtype):
+    ids = engine.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
+    new, geometry, rotary = 16, engine.config.kv_geometry, engine.model.layer_rotary
+    capacity = len(ids) + new
+    caches = {"prealloc": make_cache("prealloc", geometry, capacity, dtype),
+              "window": make_cache("window", geometry, engine.config.context_length, dtype,
+                                   window=capacity, rotary=rotary)}  # + 4 sinks: nothing is evicted
+    tokens, logits = {}, {}
+    for name, cache in caches.items():
+        step = engine.model.prefill(np.array(ids), cache)
+        tokens[name], logits[name] = [], [step]
+        for pos in range(len(ids), capacity - 1):
+            tokens[name].append(int(np.argmax(step)))
+            step = engine.model.decode(tokens[name][-1], pos, cache)
+            logits[name].append(step)
+    assert tokens["window"] == tokens["prealloc"] and len(tokens["window"]) == new - 1
+    np.testing.assert_array_equal(np.array(logits["window"]), np.array(logits["prealloc"]))
+    assert caches["window"].evicted_tokens == 0
+    assert caches["window"].nbytes == planned_nbytes("window", geometry, engine.config.context_length, dtype,
+                                                     window=capacity, rotary=rotary)
 
 
 def test_only_a_window_cache_may_run_past_the_models_context(engine):
