@@ -348,14 +348,14 @@ class PagedKVCache(KVCache):
         bs, refs, needs = self.block_size, self.pool.refs, []
         first = pos // bs
         for table in self.tables:
-            copy = first < len(table) and table[first] != HOLE and refs[table[first]] > 1
+            copy = bool(first < len(table) and table[first] != HOLE and refs[table[first]] > 1)
             needs.append((copy, max(blocks_for(end, bs) - len(table), 0)))
         return needs
 
     def blocks_needed(self, end: int) -> int:
         """Free blocks `prepare(self.length, end)` takes from the pool, over every layer group: new blocks
         and private copies of shared partial ones (a scheduler checks this against pool.free_blocks)."""
-        return sum(copy + new for copy, new in self._needs(self.length, end))
+        return int(sum(copy + new for copy, new in self._needs(self.length, end)))
 
     def prepare(self, pos: int, end: int) -> None:
         """Make positions pos .. end - 1 writable in every layer group: new blocks past the tables, a
