@@ -5,6 +5,7 @@ the Python API the commands are thin users of:
     for piece in engine.stream("Once upon a time", max_new_tokens=32, kv="prealloc"):
         print(piece, end="")
     run = engine.generate("Once upon a time", 32)     # a RunRecord: text, ids, metrics
+    scheduler = engine.scheduler(kv="paged", max_batch=8)   # many requests at once: inferno.scheduler
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ import numpy as np
 from inferno import kernels, prepared
 from inferno.config import ModelConfig
 from inferno.errors import InfernoError
-from inferno.generate import Generation, stream_generate
 from inferno.kv import DEFAULT_DTYPE, KVCache, cache_class, make_cache
+from inferno.kv.paged import BLOCK_SIZE, BlockPool, PagedKVCache
 from inferno.metrics import RunRecord, Startup
 from inferno.model import Transformer
-from inferno.output_text import OutputText
 from inferno.quant import MATMUL_MIN_ROWS, uses_blas
 from inferno.sampling import Sampler
+from inferno.scheduler import Generation, Request, Scheduler
 from inferno.tokenizer import GGUFTokenizer
 from inferno.validate import check_logits, refusing_non_finite
 
@@ -174,6 +175,58 @@ class Engine:
         messages = [{"role": "system", "content": system}] if system is not None else []
         return self.tokenizer.apply_chat_template([*messages, {"role": "user", "content": prompt}])
 
+    def scheduler(
+        self,
+        kv: str | None = "paged",
+        kv_dtype: str = DEFAULT_DTYPE,
+        max_batch: int = 8,
+        step_tokens: int | None = None,
+        max_context: int | None = None,
+        pool_tokens: int | None = None,
+        pool_blocks: int | None = None,
+        block_size: int = BLOCK_SIZE,
+        max_waiting: int | None = None,
+        **cache_options,
+    ) -> Scheduler:
+        """A scheduler on this model (`inferno.scheduler`): requests added to it run together.
+
+        kv "paged": every request's cache is a sequence of one block pool of `pool_blocks` blocks, or
+        enough for `pool_tokens` tokens of one sequence (default: max_batch sequences of the model's
+        context; memory becomes resident only as blocks are written), with prefix caching across
+        requests and preemption when it runs short. Any
+        other kind: a cache of its own per request (`make_cache`); None: the naive path, one request
+        at a time.
+        """
+        if kv != "paged":
+            if kv is None:
+                max_batch = 1
+
+            def own_cache(prompt_tokens: int, new_tokens: int) -> KVCache | None:
+                return self.make_cache(kv, prompt_tokens, new_tokens, max_context, kv_dtype, **cache_options)
+
+            return Scheduler(self.model, self.tokenizer, own_cache, None, max_batch, step_tokens, max_waiting)
+        if cache_options:
+            raise InfernoError(f"{', '.join(cache_options)} do not apply to a 'paged' cache")
+        context = min(max_context or self.config.context_length, self.config.context_length)
+        geometry = self.config.kv_geometry
+        tokens = pool_tokens or max_batch * context
+        blocks = pool_blocks or BlockPool.sequence_blocks(geometry, tokens, block_size)
+        pool = BlockPool(geometry, blocks, block_size, kv_dtype)
+        self._ready_cache(PagedKVCache(geometry, 2, pool=pool, dtype=kv_dtype), "paged", kv_dtype)
+
+        def sequence(prompt_tokens: int, new_tokens: int) -> KVCache:
+            needed = prompt_tokens + new_tokens
+            if needed > context:
+                raise InfernoError(f"prompt of {prompt_tokens} tokens + {new_tokens} new tokens = {needed}, "
+                                   f"more than the context of {context}")
+            if BlockPool.sequence_blocks(geometry, needed, block_size) > pool.n_blocks:
+                raise InfernoError(f"{needed} tokens need more blocks than the pool's {pool.n_blocks} "
+                                   f"of {block_size} tokens")
+            self.ready_for(prompt_tokens)
+            return PagedKVCache(geometry, needed, pool=pool, dtype=kv_dtype)
+
+        return Scheduler(self.model, self.tokenizer, sequence, pool, max_batch, step_tokens, max_waiting)
+
     def start(
         self,
         prompt_ids: list[int],
@@ -184,74 +237,68 @@ class Engine:
         max_context: int | None = None,
         cache: KVCache | None = None,
         ignore_eos: bool = False,
+        stop: Sequence[str] = (),
         **cache_options,
-    ) -> Iterator[Generation]:
-        """stream_generate on this model: the same live Generation after each new token.
+    ) -> Iterator[tuple[Generation, str]]:
+        """One request through a scheduler of its own: after each token, the live Generation and the
+        text that can now be shown. It ends at a stop token, one of the `stop` strings (finish_reason
+        "stop") or max_new_tokens ("length"); the cache is kept in `Generation.cache`.
 
         cache: a cache already holding a prefix of prompt_ids (a loaded snapshot); else one of kind
-        `kv` with rows of element type `kv_dtype` is made for the request (None: no cache, the naive path)
-        with cache_options (`window=256`).
+        `kv` with rows of element type `kv_dtype` is made for the request (None: no cache, the naive
+        path) with cache_options (`window=256`).
         """
         if cache is None:
             cache = self.make_cache(kv, len(prompt_ids), max_new_tokens, max_context, kv_dtype,
                                     **cache_options)
-        is_stop = (lambda _: False) if ignore_eos else self.tokenizer.is_stop
-        return stream_generate(self.model, prompt_ids, max_new_tokens, sampler or Sampler(), cache, is_stop)
-
-    def start_text(
-        self, prompt_ids: list[int], max_new_tokens: int, output: OutputText, **options
-    ) -> Iterator[tuple[Generation, str]]:
-        """`start`, with the text: after each token, the live Generation and the text that can now be
-        shown; it ends at a stop token or one of `output`'s stop strings (finish_reason "stop")."""
-        is_stop = (lambda _: False) if options.get("ignore_eos") else self.tokenizer.is_stop
-        for generation in self.start(prompt_ids, max_new_tokens, **options):
-            token = generation.token_ids[-1]
-            piece = output.add(token, is_stop(token))
-            if output.stopped:
-                generation.finish_reason = "stop"
-            yield generation, piece
-            if output.stopped:
-                return
+        scheduler = Scheduler(self.model, self.tokenizer)
+        request = Request(list(prompt_ids), max_new_tokens, sampler or Sampler(), tuple(stop), ignore_eos,
+                          keep_cache=True, cache=cache)
+        rid = scheduler.add(request)
+        while scheduler.has_work:
+            for event in scheduler.step():
+                if event.error is not None:
+                    raise InfernoError(event.error)
+                yield scheduler.get(rid), event.text
 
     def stream(self, prompt: str, max_new_tokens: int = 32, chat: bool = False, system: str | None = None,
-               stop: Sequence[str] = (), **options) -> Iterator[str]:
-        """The generated text, piece by piece as tokens come (options: those of `start`); it ends
-        before a stop token or any of the `stop` strings."""
-        output = OutputText(self.tokenizer, stop)
+               **options) -> Iterator[str]:
+        """The generated text, piece by piece as tokens come (options: those of `start`)."""
         prompt_ids = self.tokenizer.encode(self.prompt_text(prompt, chat, system))
-        for _, piece in self.start_text(prompt_ids, max_new_tokens, output, **options):
+        for _, piece in self.start(prompt_ids, max_new_tokens, **options):
             yield piece
-        yield output.flush()
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int, **options) -> Generation:
+        """`start` to the end: the finished Generation (tokens, text, metrics, cache)."""
+        *_, (generation, _) = self.start(prompt_ids, max_new_tokens, **options)
+        return generation
 
     def generate(self, prompt: str, max_new_tokens: int = 32, chat: bool = False, system: str | None = None,
-                 stop: Sequence[str] = (), **options) -> RunRecord:
+                 **options) -> RunRecord:
         """Generate to the end (or a stop string) and return the run's record: text, ids, metrics."""
         text = self.prompt_text(prompt, chat, system)
-        output = OutputText(self.tokenizer, stop)
         t0 = perf_counter()
-        *_, (generation, _) = self.start_text(self.tokenizer.encode(text), max_new_tokens, output, **options)
-        output.flush()
-        return self.record(generation, text, (perf_counter() - t0) * 1000, output=output)
+        generation = self.run(self.tokenizer.encode(text), max_new_tokens, **options)
+        return self.record(generation, text, (perf_counter() - t0) * 1000)
 
     def record(
-        self, generation: Generation, prompt: str, wall_ms: float, load_cache_ms: float | None = None,
-        output: OutputText | None = None,
+        self, generation: Generation, prompt: str, wall_ms: float, load_cache_ms: float | None = None
     ) -> RunRecord:
-        """The record of a finished (or interrupted) generation of `prompt` on this engine; `output`:
-        its text as shown (without a stop token, cut before a stop string), else all its tokens'."""
-        token_ids = output.token_ids if output is not None else generation.token_ids
+        """The record of a finished (or interrupted) generation of `prompt` on this engine: its text as
+        shown (without a stop token, cut before a stop string)."""
+        output = generation.output
         return RunRecord(
             model=self.path,
             prompt=prompt,
             prompt_ids=generation.prompt_ids,
-            token_ids=token_ids,
-            text=output.text if output is not None else self.tokenizer.decode(token_ids),
+            token_ids=output.token_ids,
+            text=output.text,
             finish_reason=generation.finish_reason,
             metrics=generation.metrics,
             startup=self.startup,
             wall_ms=wall_ms,
             load_cache_ms=load_cache_ms,
-            stopped_by=output.stopped_by if output is not None else None,
+            stopped_by=output.stopped_by,
         )
 
 

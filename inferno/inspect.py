@@ -16,7 +16,7 @@ import numpy as np
 
 from inferno.errors import InfernoError
 from inferno.kv import DEFAULT_DTYPE, KVCache, KVGeometry, make_cache
-from inferno.kv.paged import BLOCK_SIZE, PagedKVCache
+from inferno.kv.paged import BLOCK_SIZE, BlockPool, PagedKVCache, blocks_for, layer_groups
 from inferno.snapshot import Snapshot
 from inferno.validate import check_logits, refusing_non_finite
 
@@ -61,8 +61,6 @@ def fill_paged(
     The prompt's last token is decoded by each fork, so a shared partial block is copied on write
     as it is when model-generate --num-samples runs; greedy sequences hold the same tokens.
     """
-    from inferno.batching import samples_pool
-
     # refused before any work if it cannot fit
     capacity = engine.make_cache("paged", len(prompt_ids), n_decode, max_context, block_size=block_size,
                                  **options).capacity
@@ -85,6 +83,16 @@ def fill_paged(
         if samples > 1:
             model.decode_batch([ids[-1]] * (samples - 1), caches[1:])
     return caches, ids, queries
+
+
+def samples_pool(
+    geometry: KVGeometry, prompt_tokens: int, new_tokens: int, n: int, block_size: int
+) -> BlockPool:
+    """N forks of one prompt: its full blocks once, then each sample's own blocks (its copy of the
+    partial last block and what it generates), in every layer group."""
+    shared = prompt_tokens // block_size
+    own = blocks_for(prompt_tokens + new_tokens, block_size) - shared
+    return BlockPool(geometry, len(layer_groups(geometry)) * (shared + n * own), block_size)
 
 
 def pool_layout(caches: Sequence[PagedKVCache]) -> dict[str, Any]:

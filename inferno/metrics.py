@@ -33,11 +33,12 @@ class Startup:
 
 @dataclass
 class Metrics:
-    """Per-forward timings of one generation. per_forward_ms[0] is the prefill (or, with no cache,
-    the first full forward); the others are decode steps."""
+    """Per-forward timings of one request. per_forward_ms[0] is the prefill (all its chunks; with no
+    cache, the first full forward); the others are the decode steps it took part in."""
 
     prompt_tokens: int
-    prefilled_tokens: int  # fewer than prompt_tokens when a loaded cache already held the rest
+    prefilled_tokens: int  # fewer than prompt_tokens when a loaded cache or the prefix cache held the rest
+    reused_tokens: int = 0  # of the prompt, found in the paged pool's prefix cache
     generated_tokens: int = 0
     per_forward_ms: list[float] = field(default_factory=list)
     ttft_ms: float = 0.0
@@ -74,6 +75,7 @@ class Metrics:
         return {
             "prompt_tokens": self.prompt_tokens,
             "prefilled_tokens": self.prefilled_tokens,
+            "reused_tokens": self.reused_tokens,
             "generated_tokens": self.generated_tokens,
             "ttft_ms": self.ttft_ms,
             "prefill_ms": self.prefill_ms,

@@ -1,9 +1,10 @@
-"""The transformer: llama, qwen2, qwen3 and gemma3 in one readable forward, with two paths.
+"""The transformer: llama, qwen2, qwen3 and gemma3 in one readable forward.
 
-- `prefill(tokens, cache)` runs a whole prompt at once and stores every layer's K (after RoPE) and V.
-- `decode(token, pos, cache)` runs one token at position `pos`: it appends that token's K/V and
-  attends one query over the cache.
-- `forward(tokens)` is the naive path with no cache: the whole sequence, every step.
+`forward(tokens, caches, counts)` runs a ragged batch: each sequence brings its new tokens at the
+positions its cache holds next, stores their K (after RoPE) and V, and attends over its cache. A
+prompt, a decode step, B sequences' decode steps, and a prompt's chunk beside them are all that call;
+`prefill` and `decode` are its one-sequence spellings, and with no cache it is the naive path (the
+whole sequence, every step).
 
 Weights stay in their GGUF type (`QuantizedMatrix`); activations are float32 throughout (the 4-bit
 types' products split them into int8 parts exact to float32, unless `set_activations("int8")`).
@@ -23,14 +24,15 @@ from inferno import kernels
 from inferno.config import ModelConfig
 from inferno.errors import InfernoError
 from inferno.kv import KVCache
-from inferno.kv.batch import batch_of
 from inferno.quant import QuantizedMatrix, tensor_to_float32, uses_blas
 from inferno.quant_batch import batch_matmul
+from inferno.ragged import Ragged
 from inferno.validate import check_finite_weights, check_model_file
 
 MatMul = Callable[[QuantizedMatrix, np.ndarray], np.ndarray]  # x [n, cols] -> [n, rows]
 
 PREFILL_CHUNK = 512  # tokens per forward when prefilling into a cache that evicts
+BATCH_ROWS = 16  # up to this many rows of several sequences, batch_matmul beats BLAS (see quant_batch)
 
 
 class Projections:
@@ -213,93 +215,74 @@ class Transformer:
             matrix.activations = name
         self.activations = name
 
-    # -- the two cached paths ------------------------------------------------------------------
+    # -- the forward ---------------------------------------------------------------------------
+
+    def forward(
+        self,
+        tokens: np.ndarray,
+        caches: KVCache | Sequence[KVCache] | None = None,
+        counts: Sequence[int] | None = None,
+        every_logit: bool = False,
+        queries: list[np.ndarray] | None = None,
+    ) -> np.ndarray:
+        """The one forward: a ragged batch of sequences, each bringing its new tokens.
+
+        tokens [N]: sequence b's counts[b] new tokens, one sequence after another (counts default: one
+        sequence of all N). Sequence b's tokens sit at the positions its cache holds next
+        (caches[b].length ..), and their K/V are stored there. With no cache (None), one sequence is
+        run from position 0 and attends over itself: the naive path. Prefill, decode, batched decode
+        and a prefill chunk beside other sequences' decode tokens are all this call.
+
+        Returns the logits of each sequence's last token [B, vocab] (a single cache given bare:
+        [vocab]); every_logit: one row per token [N, vocab]. queries: receives each layer's query
+        row after RoPE of the last token (what kv-inspect shows).
+        """
+        tokens = np.asarray(tokens)
+        single = caches is None or isinstance(caches, KVCache)
+        batch = Ragged([caches] if single else list(caches), counts or [len(tokens)])  # type: ignore[list-item]
+        if batch.n_tokens != len(tokens):
+            raise ValueError(f"{len(tokens)} tokens for sequences of {batch.counts} new tokens")
+        # A few rows of several sequences read each weight once for all (decode's batched kernel).
+        matmul = batch_matmul if len(batch) > 1 and batch.n_tokens <= BATCH_ROWS else None
+        c = self.config
+        x = self._embed(tokens)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, kernels.rmsnorm(x, layer.attn_norm, c.rms_eps), matmul)
+            kernels.rope_at(q, batch.positions, c.n_heads, self.layer_inv_freq[i], c.rope_neox)
+            kernels.rope_at(k, batch.positions, c.n_kv_heads, self.layer_inv_freq[i], c.rope_neox)
+            if queries is not None:
+                queries.append(q[-1])
+            attn = batch.attend(i, q, k, v, c.n_heads, c.layer_windows[i])
+            x = x + self._post_norm((matmul or QuantizedMatrix.matmul)(layer.wo, attn), layer.post_attn_norm)
+            x = x + self._mlp(layer, x, matmul)
+        batch.commit()
+        rows = x if every_logit else x[batch.last_rows]
+        logits = self._logits(rows, batch_matmul if len(batch) > 1 and not every_logit else None)
+        return logits[0] if single and not every_logit else logits
 
     def prefill(self, tokens: np.ndarray, cache: KVCache, every_logit: bool = False) -> np.ndarray:
-        """Run `tokens` after the cache's committed tokens, store their K/V; logits of the last one
-        (every_logit: [T, vocab], one row per token, for teacher-forced scoring).
-
-        A cache that evicts takes the prompt in chunks of PREFILL_CHUNK, so a prompt of any length
-        (past the context, too) runs in bounded memory.
-        """
+        """`tokens` after the cache's committed tokens: logits of the last one (every_logit: [T, vocab]).
+        A cache that evicts takes them in chunks of PREFILL_CHUNK, so a prompt of any length (past the
+        context, too) runs in bounded memory."""
         if not cache.evicts:
-            return self._forward_sequence(tokens, cache, every_logit)
-        chunks = [self._forward_sequence(tokens[i : i + PREFILL_CHUNK], cache, every_logit)
+            return self.forward(tokens, cache, every_logit=every_logit)
+        chunks = [self.forward(tokens[i : i + PREFILL_CHUNK], cache, every_logit=every_logit)
                   for i in range(0, len(tokens), PREFILL_CHUNK)]
         return np.concatenate(chunks) if every_logit else chunks[-1]
 
     def decode(
         self, token: int, pos: int, cache: KVCache, queries: list[np.ndarray] | None = None
     ) -> np.ndarray:
-        """One token at position `pos`: append its K/V to the cache, attend over 0..pos; its logits.
-
-        queries: when given, receives each layer's query row after RoPE (what kv-inspect shows).
-        """
+        """One token at position `pos` (the cache's length): its logits."""
         if cache.length != pos:
             raise ValueError(f"decode at position {pos} but the cache holds {cache.length} tokens")
-        c = self.config
-        x = self._embed(np.array([token]))
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, kernels.rmsnorm(x, layer.attn_norm, c.rms_eps))
-            kernels.rope_single_row(q[0], pos, c.n_heads, self.layer_inv_freq[i], c.rope_neox)
-            kernels.rope_single_row(k[0], pos, c.n_kv_heads, self.layer_inv_freq[i], c.rope_neox)
-            if queries is not None:
-                queries.append(q[0])
-            cache.write(i, pos, k, v)
-            attn = cache.attend(i, q[0], pos + 1)
-            x = x + self._post_norm(layer.wo.matmul(attn[None]), layer.post_attn_norm)
-            x = x + self._mlp(layer, x)
-        cache.commit(1)
-        return self._logits(x)[0]
+        return self.forward(np.array([token]), cache, queries=queries)
 
     def decode_batch(self, tokens: Sequence[int], caches: Sequence[KVCache]) -> np.ndarray:
-        """One token for each of B sequences, token b at the position cache b holds next: logits [B, vocab].
-
-        Each weight is read once for all B (quant_batch.batch_matmul); attention is per sequence over
-        its own cache (one kernel call for paged sequences of one pool, see kv.batch).
-        """
-        c = self.config
-        batch = batch_of(caches)
-        x = self._embed(np.asarray(tokens))
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, kernels.rmsnorm(x, layer.attn_norm, c.rms_eps), batch_matmul)
-            for b, pos in enumerate(batch.positions.tolist()):
-                kernels.rope_single_row(q[b], pos, c.n_heads, self.layer_inv_freq[i], c.rope_neox)
-                kernels.rope_single_row(k[b], pos, c.n_kv_heads, self.layer_inv_freq[i], c.rope_neox)
-            batch.write(i, k, v)
-            attn = batch.attend(i, q, c.n_heads)
-            x = x + self._post_norm(batch_matmul(layer.wo, attn), layer.post_attn_norm)
-            x = x + self._mlp(layer, x, batch_matmul)
-        batch.commit()
-        return self._logits(x, batch_matmul)
-
-    # -- the naive path ------------------------------------------------------------------------
-
-    def forward(self, tokens: np.ndarray) -> np.ndarray:
-        """The whole sequence from scratch, no cache: logits of the last token."""
-        return self._forward_sequence(tokens, None)
+        """One token for each of B sequences: logits [B, vocab]."""
+        return self.forward(np.asarray(tokens), caches, [1] * len(caches))
 
     # -- pieces --------------------------------------------------------------------------------
-
-    def _forward_sequence(
-        self, tokens: np.ndarray, cache: KVCache | None, every_logit: bool = False
-    ) -> np.ndarray:
-        c = self.config
-        start = cache.length if cache is not None else 0
-        x = self._embed(np.asarray(tokens))
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, kernels.rmsnorm(x, layer.attn_norm, c.rms_eps))
-            kernels.rope(q, start, c.n_heads, self.layer_inv_freq[i], c.rope_neox)
-            kernels.rope(k, start, c.n_kv_heads, self.layer_inv_freq[i], c.rope_neox)
-            if cache is None:
-                attn = kernels.attention_prefill(q, k, v, c.n_heads, start, window=c.layer_windows[i])
-            else:
-                attn = cache.attend_new(i, start, q, k, v)
-            x = x + self._post_norm(layer.wo.matmul(attn), layer.post_attn_norm)
-            x = x + self._mlp(layer, x)
-        if cache is not None:
-            cache.commit(len(tokens))
-        return self._logits(x) if every_logit else self._logits(x[-1:])[0]
 
     def _qkv(
         self, layer: Layer, h: np.ndarray, matmul: MatMul | None = None

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from inferno.generate import Generation
 from inferno.kv import KVCache
+from inferno.scheduler import Generation
 from inferno.tokenizer import GGUFTokenizer
 
 EOS_LINE = "[EOS reached]"

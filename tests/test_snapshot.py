@@ -14,10 +14,8 @@ import pytest
 from inferno.cli.generate import main as generate_main
 from inferno.cli.inspect import main as inspect_main
 from inferno.errors import InfernoError
-from inferno.generate import generate
 from inferno.gguf_file import open_gguf
 from inferno.kv import KINDS
-from inferno.sampling import Sampler
 from inferno.snapshot import Snapshot, model_fingerprint
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -37,7 +35,7 @@ def cli(run_main, loaded_once, model_path):
 def prompt_snapshot(engine, tmp_path_factory):
     """A saved snapshot of PROMPT alone: a one-token run leaves exactly the prompt in the cache."""
     cache = engine.make_cache("prealloc", len(PROMPT_IDS), 1)
-    result = generate(engine.model, PROMPT_IDS, 1, Sampler(), cache=cache)
+    result = engine.run(PROMPT_IDS, 1, ignore_eos=True, cache=cache)
     path = tmp_path_factory.mktemp("snapshots") / "prompt.safetensors"
     Snapshot.from_cache(cache, PROMPT_IDS + result.token_ids, engine.config, engine.fingerprint).save(path)
     return path
@@ -61,7 +59,7 @@ def assert_refused(result, prog: str, *fragments: str) -> None:
 
 def test_round_trip_is_bit_exact_and_restores_into_every_cache_kind(engine, tmp_path):
     cache = engine.make_cache("basic", 6, 3)
-    result = generate(engine.model, [1, *PROMPT_IDS, 28], 3, Sampler(), cache=cache)
+    result = engine.run([1, *PROMPT_IDS, 28], 3, ignore_eos=True, cache=cache)
     run_ids = [1, *PROMPT_IDS, 28, *result.token_ids]
     assert cache.length == 8  # the last sampled token is never fed back
     path = tmp_path / "run.safetensors"
@@ -155,10 +153,10 @@ def test_a_prompt_equal_to_the_snapshot_leaves_its_last_token_to_prefill(engine,
 
 def test_resumed_generation_is_identical_to_a_fresh_one(engine, prompt_snapshot):
     longer = [*PROMPT_IDS, 28, 957, 436]  # the prompt, then more tokens
-    fresh = generate(engine.model, longer, 8, Sampler(), cache=engine.make_cache("prealloc", 7, 8))
+    fresh = engine.run(longer, 8, ignore_eos=True, cache=engine.make_cache("prealloc", 7, 8))
     cache = engine.make_cache("prealloc", 7, 8)
     Snapshot.load(prompt_snapshot).restore(cache, longer)
-    resumed = generate(engine.model, longer, 8, Sampler(), cache=cache)
+    resumed = engine.run(longer, 8, ignore_eos=True, cache=cache)
     assert resumed.token_ids == fresh.token_ids
     assert resumed.metrics.prefilled_tokens == 3
 

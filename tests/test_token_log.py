@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from inferno.cli.generate import main as generate_main
-from inferno.generate import Generation
 from inferno.metrics import Metrics
+from inferno.scheduler import Generation, Request
 from inferno.token_log import EOS_LINE, TokenLog, probabilities
 
 PROG = "model-generate"
@@ -33,7 +33,8 @@ def test_probabilities_are_the_softmax_of_the_logits():
 
 def test_record_holds_the_chosen_token_and_the_top_alternatives_in_order():
     logits = np.log(np.array([0.1, 0.6, 0.2, 0.1], dtype=np.float32))
-    generation = Generation([5, 6], [2], Metrics(2, 2, 1, per_forward_ms=[12.5]), logits=logits)
+    generation = Generation(0, Request([5, 6], 4), None, Metrics(2, 2, 1, per_forward_ms=[12.5]),
+                            tokens=[5, 6, 2], logits=logits)
     log = TokenLog(Vocabulary(), cache=None, top_k=2)
     record = log.add(generation)
     assert (record.step, record.phase, record.token_id, record.text) == (1, "full", 2, "t2")
@@ -46,7 +47,8 @@ def test_record_holds_the_chosen_token_and_the_top_alternatives_in_order():
 
 def test_end_of_sequence_is_marked_and_its_line_says_so():
     logits = np.zeros(4, np.float32)
-    generation = Generation([5], [3], Metrics(1, 1, 1, per_forward_ms=[1.0]), "stop", logits)
+    generation = Generation(0, Request([5], 4), None, Metrics(1, 1, 1, per_forward_ms=[1.0]),
+                            tokens=[5, 3], finish_reason="stop", logits=logits)
     record = TokenLog(Vocabulary(), cache=None).add(generation)
     assert record.end_of_sequence and record.top == ()
     assert record.line().endswith("\n" + EOS_LINE)

@@ -1,7 +1,7 @@
-"""What batched decoding buys (`kv-bench --batch-sweep`): for each batch size B, one prompt prefilled
-once and forked into B sequences sharing its blocks, each decoding the same number of greedy tokens
-together (llama-batched-bench's shared-prompt mode); aggregate and per-sequence decode tok/s and the
-cache bytes, the prompt held once."""
+"""What batched decoding buys (`kv-bench --batch-sweep`): for each batch size B, B requests of one
+prompt through the scheduler in a paged pool (the prompt's full blocks computed once and shared), each
+decoding the same number of greedy tokens together (llama-batched-bench's shared-prompt mode);
+aggregate and per-sequence decode tok/s and the cache bytes, the prompt held once."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from inferno.errors import InfernoError
 from inferno.kv.paged import BLOCK_SIZE, ITEMSIZE
 
 if TYPE_CHECKING:
-    from inferno.batching import BatchRun
+    from inferno.cli.generate_many import Run
     from inferno.engine import Engine  # loading it pulls in the model and its kernels
 
 
@@ -28,15 +28,15 @@ def parse_sizes(text: str) -> list[int]:
 
 def run_samples(
     engine: Engine, prompt_ids: list[int], new_tokens: int, batch: int, block_size: int
-) -> BatchRun:
-    """One prompt prefilled once, `batch` greedy continuations of new_tokens decoded together."""
-    from inferno import batching
-    from inferno.sampling import Sampler
+) -> Run:
+    """`batch` greedy continuations of one prompt, new_tokens each, run together."""
+    from inferno.cli.generate_many import pool_tokens, run_all
+    from inferno.scheduler import Request
 
-    engine.make_cache(None, len(prompt_ids), new_tokens)  # refuses what the model cannot hold
-    pool = batching.samples_pool(engine.config.kv_geometry, len(prompt_ids), new_tokens, batch, block_size)
-    requests = [batching.Request(prompt_ids, new_tokens, Sampler()) for _ in range(batch)]
-    return batching.run(engine.model, requests, pool, batching.samples_start(engine.model, pool), batch)
+    requests = [Request(prompt_ids, new_tokens, ignore_eos=True) for _ in range(batch)]
+    scheduler = engine.scheduler("paged", max_batch=batch, pool_tokens=pool_tokens(requests, batch),
+                                 block_size=block_size)
+    return run_all(scheduler, requests)
 
 
 def batch_sweep(
@@ -52,14 +52,15 @@ def batch_sweep(
     for batch in sizes:
         run_samples(engine, prompt_ids, 2, batch, block_size)  # warm-up
         result = run_samples(engine, prompt_ids, new_tokens, batch, block_size)
-        tokens = {tuple(done.token_ids) for done in result.completions}
+        tokens = {tuple(g.token_ids) for g in result.generations}
+        steps = result.decode_tokens // batch
         rows.append({
             "batch": batch,
             "decode_tok_s": result.decode_tok_s,  # all sequences together
             "per_sequence_tok_s": result.decode_tok_s / batch if result.decode_tok_s else None,
-            "step_ms": result.decode_ms / result.steps if result.steps else None,
-            "decode_steps": result.steps,
-            "prefill_ms": result.completions[0].prefill_ms,
+            "step_ms": result.decode_ms / steps if steps else None,
+            "decode_steps": steps,
+            "prefill_ms": result.generations[0].metrics.prefill_ms,
             "prompt_bytes": result.start_cache_bytes,  # held once, before the first step
             "peak_cache_bytes": result.peak_cache_bytes,
             "unshared_peak_bytes": batch * geometry.nbytes(len(prompt_ids) + new_tokens, ITEMSIZE),

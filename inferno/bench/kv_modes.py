@@ -21,16 +21,13 @@ def run_modes(
 ) -> dict[str, Any]:
     """Run each mode, and each kind with each element type it holds, on the same prompt (greedy, no
     early stop): `mode` (or `mode/dtype` when several element types run) -> its token ids and metrics."""
-    from inferno.generate import generate
-    from inferno.sampling import Sampler
-
     results = {}
     for mode in modes:
         for dtype in (None,) if mode == "off" else [d for d in dtypes if d in KINDS[mode].dtypes]:
             label = mode if dtype is None or dtypes == (DEFAULT_DTYPE,) else f"{mode}/{dtype}"
             kind = None if mode == "off" else mode
             cache = engine.make_cache(kind, len(prompt_ids), new_tokens, dtype=dtype or DEFAULT_DTYPE)
-            done = generate(engine.model, prompt_ids, new_tokens, Sampler(), cache=cache)
+            done = engine.run(prompt_ids, new_tokens, kv=kind, cache=cache, ignore_eos=True)
             results[label] = {"token_ids": done.token_ids, "metrics": done.metrics.to_json()}
     return results
 

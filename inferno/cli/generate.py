@@ -95,17 +95,18 @@ def _optional_values(argv: list[str]) -> list[str]:
 @click.option("--kv", "kv", default=None, metavar="MODE",
               help=f"KV cache: {' | '.join(KINDS)} (--kv alone: basic). Without it: no cache.")
 @click.option("--kv-dtype", default=DEFAULT_DTYPE, show_default=True, metavar="TYPE",
-              help=f"Element type of the cache rows: {' | '.join(DTYPES)} (quantized: --kv prealloc).")
+              help=f"Element type of the cache rows: {' | '.join(DTYPES)}.")
 @click.option("--max-context", type=int, default=None,
               help="Tokens the cache is sized for (default: prompt + new tokens; without --kv: prealloc).")
 @click.option("--block-size", type=int, default=None,
               help="Tokens per block of --kv paged (default: 16).")
 @click.option("--num-samples", type=int, default=None, metavar="N",
-              help="N continuations of the prompt, prefilled once and decoded together (seed + i each).")
+              help="N continuations of the prompt, run together (seed + i each; --kv paged, the default "
+                   "here: its full blocks computed once).")
 @click.option("--batch", "batch_file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Prompts of FILE (one a line, or JSON lines with per-prompt options), decoded together.")
 @click.option("--max-batch", type=int, default=16, show_default=True,
-              help="With --batch: sequences decoded together at most.")
+              help="With --batch: sequences run together at most.")
 @click.option("--window", type=int, default=None, metavar="W",
               help="--kv window: positions a sliding layer attends to (all layers, if the model sets none).")
 @click.option("--sinks", type=int, default=None, metavar="S",
@@ -150,7 +151,7 @@ def command(args, kv, kv_dtype, max_context, block_size, num_samples, batch_file
     many = num_samples is not None or batch_file is not None
     if many:
         kv = _check_many(kv, num_samples, batch_file, max_batch, prompt_file,
-                         max_context is not None or bool(save_cache or load_cache))
+                         max_context is not None or bool(save_cache or load_cache), log_tokens is not None)
     file_prompt = read_prompt_file(prompt_file) if prompt_file else None
     if batch_file:
         file_prompt = ""  # the prompts come from the file
@@ -188,9 +189,9 @@ def command(args, kv, kv_dtype, max_context, block_size, num_samples, batch_file
     model_path = model_path or default_model()
 
     from inferno.engine import Engine
-    from inferno.generate import Generation
     from inferno.metrics import Metrics
     from inferno.output_text import OutputText
+    from inferno.scheduler import Generation, Request
     from inferno.snapshot import Snapshot
 
     err = console(stderr=True)
@@ -200,16 +201,16 @@ def command(args, kv, kv_dtype, max_context, block_size, num_samples, batch_file
     engine.model.set_activations(activations)
     if many:
         from inferno.cli import generate_many
-        from inferno.kv.paged import BLOCK_SIZE
 
-        defaults = generate_many.Defaults(max_new, temperature, top_k, top_p, seed, ignore_eos, chat)
-        block_size = block_size or BLOCK_SIZE
+        defaults = generate_many.Defaults(max_new, temperature, top_k, top_p, seed, ignore_eos, chat, stops,
+                                          system)
+        options = window_options | ({"block_size": block_size} if block_size else {})
+        cache = generate_many.Cache(kv, kv_dtype, options)
         if batch_file:
-            generate_many.run_batch(engine, batch_file, defaults, block_size, max_batch, as_json)
+            generate_many.run_batch(engine, batch_file, defaults, cache, max_batch, as_json)
         else:
-            generate_many.run_samples(engine, prompt, num_samples, defaults, block_size, as_json)
+            generate_many.run_samples(engine, prompt, num_samples, defaults, cache, as_json)
         return
-    output = OutputText(engine.tokenizer, stops)
     text = engine.prompt_text(prompt, chat, system)
     prompt_ids = engine.tokenizer.encode(text)
     with blame("--max-context", max_context):
@@ -234,8 +235,8 @@ def command(args, kv, kv_dtype, max_context, block_size, num_samples, batch_file
     generation = None
     t0 = perf_counter()
     try:
-        steps = engine.start_text(prompt_ids, max_new, output, kv=kv, sampler=sampler, cache=cache,
-                                  ignore_eos=ignore_eos)
+        steps = engine.start(prompt_ids, max_new, kv=kv, sampler=sampler, cache=cache, ignore_eos=ignore_eos,
+                             stop=stops)
         for generation, piece in steps:
             if log is not None:
                 entry = log.add(generation)
@@ -243,10 +244,11 @@ def command(args, kv, kv_dtype, max_context, block_size, num_samples, batch_file
                     click.echo(entry.line(), err=True)  # plain: a log line is never wrapped or styled
             show(piece, quiet)
     except KeyboardInterrupt:
-        generation = generation or Generation(prompt_ids, [], Metrics(len(prompt_ids), 0))
+        generation = generation or Generation(-1, Request(prompt_ids, max_new), OutputText(engine.tokenizer),
+                                              Metrics(len(prompt_ids), 0))
         generation.finish_reason = "interrupted"
-    show(output.flush(), quiet)
-    record = engine.record(generation, text, (perf_counter() - t0) * 1000, load_cache_ms, output)
+    show(generation.output.flush(), quiet)
+    record = engine.record(generation, text, (perf_counter() - t0) * 1000, load_cache_ms)
     record.token_log = log.records if log is not None else None
     if log is not None and not as_json:
         show(record.text, as_json)
@@ -275,22 +277,23 @@ def show(piece: str, as_json: bool) -> None:
 
 
 def _check_many(kv: str | None, num_samples: int | None, batch_file: str | None, max_batch: int,
-                prompt_file: str | None, single_only: bool) -> str:
-    """--num-samples and --batch run in a paged block pool; the kind they need, or a one-line refusal."""
+                prompt_file: str | None, single_only: bool, log_tokens: bool) -> str:
+    """--num-samples and --batch run in a cache of any kind (paged by default: one block pool they
+    share); the kind, or a one-line refusal."""
     if num_samples is not None and batch_file is not None:
         raise InfernoError("--num-samples and --batch do not go together: give one")
     if num_samples is not None and num_samples < 1:
         raise InfernoError(f"--num-samples must be at least 1, got {num_samples}")
     if max_batch < 1:
         raise InfernoError(f"--max-batch must be at least 1, got {max_batch}")
-    if kv not in (None, "paged"):
-        raise InfernoError(f"--num-samples and --batch decode in a paged block pool, not --kv {kv}")
+    if log_tokens:
+        raise InfernoError("--log-tokens logs one sequence's forwards: not with --num-samples or --batch")
     if batch_file and prompt_file:
         raise InfernoError("--batch reads the prompts: --prompt-file does not go with it")
     if single_only:
         raise InfernoError("--max-context, --save-cache and --load-cache are for one sequence, "
                            "not --num-samples or --batch")
-    return "paged"
+    return kv or "paged"
 
 
 def main() -> None:

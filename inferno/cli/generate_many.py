@@ -1,22 +1,28 @@
-"""model-generate's many-sequence modes: `--num-samples N` (one prompt, N continuations sharing its
-blocks) and `--batch FILE` (one prompt per line, common prefixes reused), both batch-decoded in a paged
-block pool with one model load."""
+"""model-generate's many-sequence modes: `--num-samples N` (one prompt, N continuations) and `--batch
+FILE` (one prompt per line, or JSON lines with options of their own), run together by the engine's
+scheduler. In a paged cache (the default) they share one block pool: N samples compute the prompt's
+full blocks once, and a batch's prompts reuse each other's common prefixes."""
 
 from __future__ import annotations
 
 import json
+import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from time import perf_counter
 
-from inferno import batching
 from inferno.cli.common import console
 from inferno.cli.display import fmt_bytes
 from inferno.engine import Engine
 from inferno.errors import InfernoError
 from inferno.sampling import Sampler
+from inferno.scheduler import Generation, Request, Scheduler
 
-BATCH_OPTIONS = ("prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos")
+BATCH_OPTIONS = ("prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "stop")
+# each option's JSON type: bool is refused where a number is asked for (JSON's true is not 1)
+NUMBERS = {"max_new_tokens": (int,), "temperature": (int, float), "top_k": (int,), "top_p": (int, float),
+           "seed": (int, type(None))}
 
 
 @dataclass
@@ -30,6 +36,17 @@ class Defaults:
     seed: int | None
     ignore_eos: bool
     chat: bool
+    stop: list[str] = field(default_factory=list)
+    system: str | None = None
+
+
+@dataclass
+class Cache:
+    """The cache flags: layout, element type and the layout's own options."""
+
+    kv: str
+    kv_dtype: str
+    options: dict
 
 
 def read_batch(path: str, defaults: Defaults) -> list[dict]:
@@ -40,106 +57,209 @@ def read_batch(path: str, defaults: Defaults) -> list[dict]:
         raise InfernoError(f"cannot read --batch {path}: {exc}") from None
     if not lines:
         raise InfernoError(f"--batch {path} holds no prompts")
-    entries = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            raise InfernoError(f"--batch {path} line {number} is empty")
-        entry = {"prompt": line}
-        if line.lstrip().startswith("{"):
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InfernoError(f"--batch {path} line {number}: not JSON ({exc.msg})") from None
-            unknown = set(entry) - set(BATCH_OPTIONS)
-            if unknown or not isinstance(entry.get("prompt"), str):
-                raise InfernoError(f"--batch {path} line {number}: needs a string \"prompt\" and only "
-                                   f"{', '.join(BATCH_OPTIONS)} (got {', '.join(sorted(entry))})")
-        options = vars(defaults) | entry
-        if not isinstance(options["max_new_tokens"], int) or options["max_new_tokens"] < 1:
-            raise InfernoError(f"--batch {path} line {number}: max_new_tokens must be a whole number >= 1")
-        entries.append(options)
-    return entries
+    return [parse_line(line, f"--batch {path} line {number}", defaults)
+            for number, line in enumerate(lines, 1)]
 
 
-def make_request(engine: Engine, options: dict, seed: int | None = None) -> batching.Request:
-    prompt_ids = engine.tokenizer.encode(engine.prompt_text(options["prompt"], options["chat"]))
-    engine.make_cache(None, len(prompt_ids), options["max_new_tokens"])  # refuses what cannot fit
-    sampler = Sampler(options["temperature"], options["top_k"], options["top_p"], seed)
-    is_stop = (lambda _: False) if options["ignore_eos"] else engine.tokenizer.is_stop
-    return batching.Request(prompt_ids, options["max_new_tokens"], sampler, is_stop)
+def parse_line(line: str, where: str, defaults: Defaults) -> dict:
+    """A line's options over the command line's, each checked for its type."""
+    if not line.strip():
+        raise InfernoError(f"{where} is empty")
+    entry: object = {"prompt": line}
+    if line.lstrip().startswith("{"):
+        try:
+            entry = json.loads(line)
+        except (json.JSONDecodeError, RecursionError, ValueError) as exc:
+            raise InfernoError(f"{where}: not JSON ({getattr(exc, 'msg', type(exc).__name__)})") from None
+        if not isinstance(entry, dict):
+            raise InfernoError(f"{where}: a JSON line is an object with a \"prompt\"")
+        unknown = set(entry) - set(BATCH_OPTIONS)
+        if unknown or not isinstance(entry.get("prompt"), str):
+            raise InfernoError(f"{where}: needs a string \"prompt\" and only {', '.join(BATCH_OPTIONS)} "
+                               f"(got {', '.join(sorted(map(str, entry)))})")
+    options = vars(defaults) | entry
+    for name, types in NUMBERS.items():
+        value = options[name]
+        if isinstance(value, bool) or not isinstance(value, types) or (
+                isinstance(value, float) and not math.isfinite(value)):
+            kinds = " or ".join(t.__name__ for t in types)
+            raise InfernoError(f"{where}: {name} must be a number ({kinds}), got {json.dumps(value)[:40]}")
+    if options["max_new_tokens"] < 1:
+        raise InfernoError(f"{where}: max_new_tokens must be a whole number >= 1")
+    if not isinstance(options["ignore_eos"], bool):
+        raise InfernoError(f"{where}: ignore_eos must be true or false")
+    stop = options["stop"]
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise InfernoError(f"{where}: stop must be a non-empty string or a list of them")
+    for text in [options["prompt"], *stop]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InfernoError(f"{where}: holds text that is not valid Unicode (a lone surrogate)") from None
+    return options | {"stop": stop}
 
 
-def run_samples(engine: Engine, prompt: str, n: int, defaults: Defaults, block_size: int,
-                as_json: bool) -> None:
+def make_request(engine: Engine, options: dict, seed: int | None) -> Request:
+    prompt_ids = engine.tokenizer.encode(engine.prompt_text(options["prompt"], options["chat"],
+                                                            options.get("system")))
+    try:
+        sampler = Sampler(options["temperature"], options["top_k"], options["top_p"], seed)
+    except OverflowError as exc:
+        raise InfernoError(f"a sampling option is out of range: {exc}") from None
+    return Request(prompt_ids, options["max_new_tokens"], sampler, tuple(options["stop"]),
+                   options["ignore_eos"])
+
+
+@dataclass
+class Run:
+    """What the scheduler did for the requests: each one's finished Generation, and the pool's use."""
+
+    generations: list[Generation]
+    wall_ms: float
+    steps: int
+    decode_ms: float  # of steps that computed only decode tokens
+    decode_tokens: int
+    peak_cache_bytes: int  # of blocks held (a shared block once), or of every request's own cache
+    start_cache_bytes: int  # held when the first decode step began (N samples: the prompt, once)
+    preemptions: int
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        """Aggregate: tokens of every sequence per second of the steps that only decoded."""
+        return self.decode_tokens / (self.decode_ms / 1000) if self.decode_ms else None
+
+    def to_json(self, scheduler: Scheduler) -> dict:
+        pool = scheduler.pool
+        return {"wall_ms": self.wall_ms, "steps": self.steps, "decode_ms": self.decode_ms,
+                "decode_tokens": self.decode_tokens, "decode_tok_s": self.decode_tok_s,
+                "start_cache_bytes": self.start_cache_bytes, "peak_cache_bytes": self.peak_cache_bytes,
+                "pool_bytes": pool.nbytes if pool else None, "block_size": pool.block_size if pool else None,
+                "preemptions": self.preemptions,
+                "reused_tokens": sum(g.metrics.reused_tokens for g in self.generations),
+                "prompt_tokens": sum(g.metrics.prompt_tokens for g in self.generations),
+                "activations": scheduler.model.activations}
+
+
+def run_all(scheduler: Scheduler, requests: list[Request]) -> Run:
+    """Every request through the scheduler, to the end."""
+    ids = [scheduler.add(r) for r in requests]
+    live: dict[int, Generation] = {i: scheduler.get(i) for i in ids}
+    peak = start = steps = decode_tokens = 0
+    decode_ms = 0.0
+    t0 = perf_counter()
+    while scheduler.has_work:
+        decoding = all(g.computed == len(g.tokens) - 1 and g.token_ids for g in scheduler.running)
+        batch = len(scheduler.running)
+        t = perf_counter()
+        events = scheduler.step()
+        steps += 1
+        if decoding and batch and not scheduler.waiting:
+            start = start or _held(scheduler, live.values())
+            decode_ms += (perf_counter() - t) * 1000
+            decode_tokens += sum(e.token is not None for e in events)
+        peak = max(peak, _held(scheduler, live.values()))
+        for event in events:
+            if event.error is not None:
+                raise InfernoError(event.error)
+    generations = [scheduler.pop(i) for i in ids]
+    return Run(generations, (perf_counter() - t0) * 1000, steps, decode_ms, decode_tokens, peak, start,
+               scheduler.preemptions)
+
+
+def _held(scheduler: Scheduler, generations) -> int:
+    if scheduler.pool is not None:
+        return scheduler.pool.used_nbytes
+    return sum(g.cache.nbytes for g in generations if g.cache is not None)
+
+
+def pool_tokens(requests: list[Request], max_batch: int) -> int:
+    """A pool the max_batch largest requests fit in together, unshared: it never has to preempt."""
+    need = sorted((len(r.prompt_ids) + r.max_new_tokens for r in requests), reverse=True)
+    return sum(need[:max_batch])
+
+
+def scheduler_for(engine: Engine, cache: Cache, requests: list[Request], max_batch: int) -> Scheduler:
+    if cache.kv == "paged":
+        tokens = pool_tokens(requests, max_batch)
+        return engine.scheduler("paged", cache.kv_dtype, max_batch, pool_tokens=tokens, **cache.options)
+    return engine.scheduler(cache.kv, cache.kv_dtype, max_batch, **cache.options)
+
+
+def run_samples(engine: Engine, prompt: str, n: int, defaults: Defaults, cache: Cache, as_json: bool) -> None:
     """N continuations of one prompt: sample i is seeded with seed + i, as `--seed (seed + i)` alone."""
     options = vars(defaults) | {"prompt": prompt}
     seeds = [None if defaults.seed is None else defaults.seed + i for i in range(n)]
     requests = [make_request(engine, options, seed) for seed in seeds]
+    scheduler = scheduler_for(engine, cache, requests, n)
+    run = run_all(scheduler, requests)
     prompt_ids = requests[0].prompt_ids
-    pool = batching.samples_pool(engine.config.kv_geometry, len(prompt_ids), defaults.max_new_tokens, n,
-                                 block_size)
-    result = batching.run(engine.model, requests, pool, batching.samples_start(engine.model, pool), n)
     geometry = engine.config.kv_geometry
-    summary = result.to_json() | {
+    summary = run.to_json(scheduler) | {
         "samples": n,
         "unshared_prompt_bytes": n * geometry.nbytes(len(prompt_ids), 4),
-        "unshared_peak_bytes": sum(geometry.nbytes(len(prompt_ids) + len(c.token_ids), 4)
-                                   for c in result.completions),
+        "unshared_peak_bytes": sum(geometry.nbytes(len(prompt_ids) + len(g.token_ids), 4)
+                                   for g in run.generations),
     }
-    texts = [engine.tokenizer.decode(c.token_ids) for c in result.completions]
     if as_json:
-        samples = [c.to_json() | {"index": i, "seed": seeds[i], "text": texts[i]}
-                   for i, c in enumerate(result.completions)]
+        samples = [completion(g) | {"index": i, "seed": seeds[i]} for i, g in enumerate(run.generations)]
         json.dump({"prompt": prompt, "prompt_ids": prompt_ids, "samples": samples, "metrics": summary},
                   sys.stdout)
         print()
         return
     out, err = console(), console(stderr=True)
-    for i, (done, text) in enumerate(zip(result.completions, texts, strict=True)):
+    for i, g in enumerate(run.generations):
         seed = "" if seeds[i] is None else f", seed {seeds[i]}"
-        err.print(f"── sample {i}{seed}: {len(done.token_ids)} tokens, {_rate(done.decode_tok_s)}",
+        err.print(f"── sample {i}{seed}: {len(g.output.token_ids)} tokens, {_rate(g.metrics.decode_tok_s)}",
                   style="dim", highlight=False)
         out.print(prompt, style="dim", end="", markup=False)
-        print(text, flush=True)
+        print(g.output.text, flush=True)
+    reused = summary["reused_tokens"]
     err.print(
-        f"{n} samples, {len(prompt_ids)}-token prompt prefilled once: decode {_rate(result.decode_tok_s)} "
-        f"in all over {result.steps} batched steps\n"
-        f"prompt K/V held once: {fmt_bytes(result.start_cache_bytes)} "
-        f"(one copy each: {fmt_bytes(summary['unshared_prompt_bytes'])}); "
-        f"peak cache {fmt_bytes(result.peak_cache_bytes)} "
-        f"(unshared: {fmt_bytes(summary['unshared_peak_bytes'])}), blocks of {block_size} tokens",
+        f"{n} samples of a {len(prompt_ids)}-token prompt ({reused} prompt tokens reused from the prefix "
+        f"cache): decode {_rate(run.decode_tok_s)} in all over {run.steps} steps\n"
+        f"K/V held when decoding began: {fmt_bytes(run.start_cache_bytes)} "
+        f"(one prompt copy each: {fmt_bytes(summary['unshared_prompt_bytes'])}); "
+        f"peak cache {fmt_bytes(run.peak_cache_bytes)} "
+        f"(unshared: {fmt_bytes(summary['unshared_peak_bytes'])})",
         highlight=False,
     )
 
 
-def run_batch(engine: Engine, path: str, defaults: Defaults, block_size: int, max_batch: int,
+def run_batch(engine: Engine, path: str, defaults: Defaults, cache: Cache, max_batch: int,
               as_json: bool) -> None:
-    """Every prompt of the file, up to max_batch decoding at a time, shared prefixes reused."""
+    """Every prompt of the file, up to max_batch running at a time, shared prefixes reused."""
     entries = read_batch(path, defaults)
-    requests = [make_request(engine, e, e["seed"]) for e in entries]  # all refused before any work
-    pool = batching.pool_for(engine.config.kv_geometry, requests, max_batch, block_size)
-    result = batching.run(engine.model, requests, pool, batching.prefix_start(engine.model, pool), max_batch)
+    requests = [make_request(engine, e, e["seed"]) for e in entries]
+    scheduler = scheduler_for(engine, cache, requests, max_batch)
+    run = run_all(scheduler, requests)
     out, err = console(), console(stderr=True)
-    for i, (entry, done) in enumerate(zip(entries, result.completions, strict=True)):
-        text = engine.tokenizer.decode(done.token_ids)
+    for i, (entry, g) in enumerate(zip(entries, run.generations, strict=True)):
         if as_json:
-            print(json.dumps(done.to_json() | {"index": i, "prompt": entry["prompt"], "text": text}))
+            print(json.dumps(completion(g) | {"index": i, "prompt": entry["prompt"]}))
             continue
-        err.print(f"── prompt {i}: {done.reused_tokens} of {len(done.prompt_ids)} prompt tokens reused, "
-                  f"{len(done.token_ids)} generated", style="dim", highlight=False)
+        err.print(f"── prompt {i}: {g.metrics.reused_tokens} of {len(g.prompt_ids)} prompt tokens reused, "
+                  f"{len(g.output.token_ids)} generated", style="dim", highlight=False)
         out.print(entry["prompt"], style="dim", end="", markup=False)
-        print(text, flush=True)
-    summary = result.to_json() | {"prompts": len(requests), "max_batch": max_batch}
+        print(g.output.text, flush=True)
+    summary = run.to_json(scheduler) | {"prompts": len(requests), "max_batch": max_batch}
     if as_json:
         print(json.dumps({"summary": summary}))
         return
     err.print(
-        f"{len(requests)} prompts in {result.wall_ms / 1000:.2f} s: {summary['reused_tokens']} of "
+        f"{len(requests)} prompts in {run.wall_ms / 1000:.2f} s: {summary['reused_tokens']} of "
         f"{summary['prompt_tokens']} prompt tokens reused from the prefix cache; decode "
-        f"{_rate(result.decode_tok_s)} in all, {summary['mean_batch'] or 0:.1f} sequences per step; "
-        f"peak cache {fmt_bytes(result.peak_cache_bytes)}",
+        f"{_rate(run.decode_tok_s)} in all; peak cache {fmt_bytes(run.peak_cache_bytes)}",
         highlight=False,
     )
+
+
+def completion(g: Generation) -> dict:
+    """One request's result as --json prints it."""
+    return {"prompt_tokens": len(g.prompt_ids), "reused_tokens": g.metrics.reused_tokens,
+            "token_ids": g.output.token_ids, "text": g.output.text, "finish_reason": g.finish_reason,
+            "stopped_by": g.output.stopped_by, "ttft_ms": g.metrics.ttft_ms,
+            "decode_tok_s": g.metrics.decode_tok_s}
 
 
 def _rate(tok_s: float | None) -> str:
