@@ -21,7 +21,7 @@ import math
 import numpy as np
 from llvmlite import ir
 from numba import prange, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from inferno import kernels
 from inferno.jit import njit
@@ -240,24 +240,30 @@ def mix_rows_at(weights: np.ndarray, values: np.ndarray, fmt: int, n_heads: int,
                             o + first)
 
 
-@njit(cache=True, fastmath=True)
 def score_run(q: np.ndarray, keys: np.ndarray, fmt: int, n_heads: int, weights: np.ndarray, col: int) -> None:
-    """The scores of a run of rows keys [n, row] into weights[:, col : col + n]: float32 rows (FMT_F32,
-    kernels.score_span) or stored ones (score_rows_at)."""
-    if fmt == FMT_F32:
-        score_span(q, keys, n_heads, weights, col)
-    else:
-        score_rows_at(q, keys, fmt, n_heads, weights, col)
+    """The scores of a run of rows keys [n, row] into weights[:, col : col + n]: float32 rows
+    (kernels.score_span) or stored ones of `fmt` (score_rows_at). Chosen by the rows' type as the
+    kernel compiles (`overload`), so a kernel over one storage carries no code for the other."""
 
 
-@njit(cache=True, fastmath=True)
 def mix_run(weights: np.ndarray, values: np.ndarray, fmt: int, n_heads: int, out: np.ndarray,
             col: int) -> None:
-    """out += the run of rows values [n, row] mixed by weights[:, col : col + n]."""
-    if fmt == FMT_F32:
-        mix_values(weights, values, n_heads, out, col)
-    else:
-        mix_rows_at(weights, values, fmt, n_heads, out, col)
+    """out += the run of rows values [n, row] mixed by weights[:, col : col + n] (as score_run)."""
+
+
+@overload(score_run, jit_options={"fastmath": True})
+def _score_run(q, keys, fmt, n_heads, weights, col):
+    if keys.dtype == types.float32:
+        return lambda q, keys, fmt, n_heads, weights, col: score_span(q, keys, n_heads, weights, col)
+    return lambda q, keys, fmt, n_heads, weights, col: score_rows_at(q, keys, fmt, n_heads, weights, col)
+
+
+@overload(mix_run, jit_options={"fastmath": True})
+def _mix_run(weights, values, fmt, n_heads, out, col):
+    if values.dtype == types.float32:
+        return lambda weights, values, fmt, n_heads, out, col: mix_values(weights, values, n_heads, out, col)
+    return lambda weights, values, fmt, n_heads, out, col: mix_rows_at(weights, values, fmt, n_heads, out,
+                                                                       col)
 
 
 @njit(cache=True, fastmath=True)
