@@ -98,7 +98,9 @@ class Engine:
         if prompt_tokens == 0:
             raise InfernoError("the prompt is empty (0 tokens)")
         if kind is not None and cache_class(kind).evicts:
-            capacity = max_context or context
+            # a model with global layers keeps every position there: sized for the request, not the context
+            mixed = None in self.config.kv_geometry.windows
+            capacity = max_context or (min(needed, context) if mixed else context)
             if capacity > context:
                 raise InfernoError(
                     f"a cache of {capacity} tokens is more than the model's context of {context}"

@@ -30,10 +30,12 @@ def test_each_sample_is_what_its_seed_gives_alone_and_the_prompt_is_held_once(ge
     m = report["metrics"]
     block = 16 * 30 * 2 * 192 * 4
     prompt = len(report["prompt_ids"])
-    # Full blocks once; the partial last block too, still shared until the first decode step copies it.
-    assert m["start_cache_bytes"] == -(-prompt // 16) * block
+    full = (prompt - 1) // 16  # the full blocks before the prompt's last token: computed once, shared
+    assert m["reused_tokens"] == 2 * 16 * full
+    own = -(-(prompt + 2) // 16) - full  # each sample's own blocks once all decode (two tokens in)
+    assert m["start_cache_bytes"] == (full + 3 * own) * block
     assert m["unshared_prompt_bytes"] == 3 * prompt * block // 16
-    assert m["decode_tokens"] == 15 and m["decode_steps"] == 5
+    assert m["preemptions"] == 0
 
 
 def test_batch_reuses_the_blocks_of_a_shared_prefix(generate, model_path, tmp_path):
@@ -56,7 +58,7 @@ def test_batch_reuses_the_blocks_of_a_shared_prefix(generate, model_path, tmp_pa
     ("args", "fragment"),
     [
         (("--num-samples", "0", "hi"), "--num-samples must be at least 1"),
-        (("--num-samples", "2", "--kv", "prealloc", "hi"), "paged block pool"),
+        (("--num-samples", "2", "--log-tokens", "hi"), "--log-tokens logs one sequence"),
         (("--num-samples", "2", "--max-context", "64", "hi"), "for one sequence"),
     ],
 )

@@ -53,7 +53,7 @@ def batch_sweep(
         run_samples(engine, prompt_ids, 2, batch, block_size)  # warm-up
         result = run_samples(engine, prompt_ids, new_tokens, batch, block_size)
         tokens = {tuple(g.token_ids) for g in result.generations}
-        steps = result.decode_tokens // batch
+        steps = result.decode_steps
         rows.append({
             "batch": batch,
             "decode_tok_s": result.decode_tok_s,  # all sequences together
@@ -61,7 +61,8 @@ def batch_sweep(
             "step_ms": result.decode_ms / steps if steps else None,
             "decode_steps": steps,
             "prefill_ms": result.generations[0].metrics.prefill_ms,
-            "prompt_bytes": result.start_cache_bytes,  # held once, before the first step
+            "start_cache_bytes": result.start_cache_bytes,  # held when every sequence decodes
+            "reused_tokens": sum(g.metrics.reused_tokens for g in result.generations),
             "peak_cache_bytes": result.peak_cache_bytes,
             "unshared_peak_bytes": batch * geometry.nbytes(len(prompt_ids) + new_tokens, ITEMSIZE),
             "identical_tokens": len(tokens) == 1,  # greedy: every sequence continues the same way

@@ -105,12 +105,12 @@ def bench_table(rows: dict[str, dict], prompt_tokens: int, new_tokens: int, wind
 
 def sweep_table(rows: list[dict], prompt_tokens: int, new_tokens: int, block_size: int,
                 activations: str = "f32") -> Table:
-    title = (f"batch sweep: {prompt_tokens}-token prompt prefilled once, B sequences x {new_tokens} "
-             f"greedy tokens, blocks of {block_size}")
+    title = (f"batch sweep: {prompt_tokens}-token prompt (its full blocks computed once), B sequences x "
+             f"{new_tokens} greedy tokens, blocks of {block_size}")
     if activations != "f32":
         title += f", {activations} activations"
     table = Table(title=title, title_justify="left")
-    for name in ("B", "decode tok/s", "per seq tok/s", "step ms", "prompt K/V", "peak cache", "unshared"):
+    for name in ("B", "decode tok/s", "per seq tok/s", "step ms", "reused", "peak cache", "unshared"):
         table.add_column(name, justify="right")
     for r in rows:
         table.add_row(
@@ -118,7 +118,7 @@ def sweep_table(rows: list[dict], prompt_tokens: int, new_tokens: int, block_siz
             f"{r['decode_tok_s']:.1f}",
             f"{r['per_sequence_tok_s']:.1f}",
             f"{r['step_ms']:.1f}",
-            fmt_bytes(r["prompt_bytes"]),
+            str(r["reused_tokens"]),
             fmt_bytes(r["peak_cache_bytes"]),
             fmt_bytes(r["unshared_peak_bytes"]),
         )

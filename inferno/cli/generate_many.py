@@ -118,7 +118,8 @@ class Run:
     generations: list[Generation]
     wall_ms: float
     steps: int
-    decode_ms: float  # of steps that computed only decode tokens
+    decode_steps: int  # steps that computed only decode tokens, every request admitted
+    decode_ms: float  # of those steps
     decode_tokens: int
     peak_cache_bytes: int  # of blocks held (a shared block once), or of every request's own cache
     start_cache_bytes: int  # held when the first decode step began (N samples: the prompt, once)
@@ -131,7 +132,8 @@ class Run:
 
     def to_json(self, scheduler: Scheduler) -> dict:
         pool = scheduler.pool
-        return {"wall_ms": self.wall_ms, "steps": self.steps, "decode_ms": self.decode_ms,
+        return {"wall_ms": self.wall_ms, "steps": self.steps, "decode_steps": self.decode_steps,
+                "decode_ms": self.decode_ms,
                 "decode_tokens": self.decode_tokens, "decode_tok_s": self.decode_tok_s,
                 "start_cache_bytes": self.start_cache_bytes, "peak_cache_bytes": self.peak_cache_bytes,
                 "pool_bytes": pool.nbytes if pool else None, "block_size": pool.block_size if pool else None,
@@ -145,7 +147,7 @@ def run_all(scheduler: Scheduler, requests: list[Request]) -> Run:
     """Every request through the scheduler, to the end."""
     ids = [scheduler.add(r) for r in requests]
     live: dict[int, Generation] = {i: scheduler.get(i) for i in ids}
-    peak = start = steps = decode_tokens = 0
+    peak = start = steps = decode_steps = decode_tokens = 0
     decode_ms = 0.0
     t0 = perf_counter()
     while scheduler.has_work:
@@ -158,13 +160,14 @@ def run_all(scheduler: Scheduler, requests: list[Request]) -> Run:
             start = start or _held(scheduler, live.values())
             decode_ms += (perf_counter() - t) * 1000
             decode_tokens += sum(e.token is not None for e in events)
+            decode_steps += 1
         peak = max(peak, _held(scheduler, live.values()))
         for event in events:
             if event.error is not None:
                 raise InfernoError(event.error)
     generations = [scheduler.pop(i) for i in ids]
-    return Run(generations, (perf_counter() - t0) * 1000, steps, decode_ms, decode_tokens, peak, start,
-               scheduler.preemptions)
+    return Run(generations, (perf_counter() - t0) * 1000, steps, decode_steps, decode_ms, decode_tokens, peak,
+               start, scheduler.preemptions)
 
 
 def _held(scheduler: Scheduler, generations) -> int:

@@ -77,23 +77,31 @@ def text_tokens(engine, text_file: str | None, tokens: int) -> tuple[list[int], 
 @click.option("--window", type=int, default=32, show_default=True,
               help="Decode steps averaged for the first/last forward columns.")
 @click.option("--batch-sweep", "sweep", default=None, metavar="B1,B2,...",
-              help="Instead of the modes: for each B, the prompt prefilled once and B greedy sequences "
-                   "decoded together in a paged pool (e.g. 1,2,4,8,16).")
+              help="Instead of the modes: for each B, B greedy sequences of the prompt decoded together in a "
+                   "paged pool, its full blocks computed once (e.g. 1,2,4,8,16).")
 @click.option("--block-size", type=int, default=BLOCK_SIZE, show_default=True,
               help="Tokens per block of the --batch-sweep pool.")
+@click.option("--mixed-load", "mixed", default=None, metavar="B",
+              help="Instead of the modes: B sequences decoding while a --depth prompt (default 2000 tokens) "
+                   "arrives, with each --step-tokens budget (chunked prefill) and none, side by side.")
+@click.option("--step-tokens", default="64,off", show_default=True, metavar="LIST",
+              help="--mixed-load: tokens a step computes over all sequences, comma-separated (off: none).")
+@click.option("--rounds", type=int, default=3, show_default=True,
+              help="--mixed-load: rounds per budget; the median round (by ITL p99) is shown.")
 @click.option("--activations", default="f32", show_default=True, metavar="f32|int8",
               help="How quantized weights take activations (--fidelity: the rows besides the reference's).")
 @click.option("--threads", type=int, default=None)
 @click.option("--json", "as_json", is_flag=True)
 @version_option()
 def command(model, prompt, depth, new_tokens, modes, kv_dtypes, fidelity, text_file, tokens, window, sweep,
-            block_size, activations, threads, as_json):
+            block_size, mixed, step_tokens, rounds, activations, threads, as_json):
     """Show what a KV cache buys: per-forward time climbs without one and stays flat with one.
 
     \b
     Speed:     kv-bench --modes prealloc --kv-dtype f32,q8_0,q4_0h --depth 2048 -n 64
     Fidelity:  kv-bench --fidelity --kv-dtype f16,q8_0,q8_0h,q4_recent  (--activations int8 --kv-dtype f32)
     Batching:  kv-bench --batch-sweep 1,2,4,8,16 --depth 128 -n 64
+    Mixed:     kv-bench --mixed-load 7 --depth 2000 --step-tokens 64,off -n 64
     """
     set_threads(threads)
     chosen = split_list(modes, MODES, "mode")
@@ -109,6 +117,12 @@ def command(model, prompt, depth, new_tokens, modes, kv_dtypes, fidelity, text_f
         raise InfernoError("--batch-sweep and --fidelity do not go together: give one")
     if block_size < 1:
         raise InfernoError(f"--block-size must be at least 1, got {block_size}")
+    decoders = parse_sizes(mixed)[0] if mixed is not None else None
+    budgets = [None if b.strip() == "off" else parse_sizes(b)[0] for b in step_tokens.split(",")]
+    if rounds < 1:
+        raise InfernoError(f"--rounds must be at least 1, got {rounds}")
+    if decoders and (sizes or fidelity):
+        raise InfernoError("--mixed-load goes alone: not with --batch-sweep or --fidelity")
     check_activations(activations)
     from inferno.engine import Engine
 
@@ -124,6 +138,11 @@ def command(model, prompt, depth, new_tokens, modes, kv_dtypes, fidelity, text_f
         prompt_ids = engine.tokenizer.encode(utf8("--prompt", prompt))
     if sizes:
         return report_sweep(engine, prompt_ids, new_tokens, sizes, block_size, as_json)
+    if decoders:
+        ids, _ = text_tokens(engine, text_file, 2)
+        long_ids = (ids * ((depth or 2000) // len(ids) + 1))[: depth or 2000]
+        short_ids = engine.tokenizer.encode(utf8("--prompt", prompt))
+        return report_mixed(engine, short_ids, long_ids, decoders, new_tokens, budgets, rounds, as_json)
     results = run_modes(engine, prompt_ids, new_tokens, chosen, dtypes)
     rows = {mode: summary_row(r["metrics"], window) for mode, r in results.items()}
     same = len({tuple(r["token_ids"]) for r in results.values()}) == 1
@@ -171,6 +190,31 @@ def report_sweep(engine, prompt_ids: list[int], new_tokens: int, sizes: list[int
     same = all(r["identical_tokens"] for r in rows)
     out.print("every sequence of every batch generated the same tokens" if same
               else "[bold red]sequences of one batch generated different tokens[/]")
+
+
+def report_mixed(engine, short_ids: list[int], long_ids: list[int], decoders: int, new_tokens: int,
+                 budgets: list[int | None], rounds: int, as_json: bool) -> None:
+    from inferno.bench.mixed_load import mixed_load
+
+    rows = mixed_load(engine, short_ids, long_ids, decoders, new_tokens, budgets, rounds)
+    if as_json:
+        json.dump({"decoders": decoders, "prompt_tokens": len(long_ids), "new_tokens": new_tokens,
+                   "rounds": rounds, "runs": rows}, sys.stdout)
+        print()
+        return
+    from rich.table import Table
+
+    table = Table(title=f"{decoders} sequences decoding while a {len(long_ids)}-token prompt arrives "
+                        f"(median of {rounds} rounds)")
+    for name in ("step tokens", "ITL median ms", "ITL p99 ms", "p99 / median", "ITL max ms",
+                 "long prompt TTFT ms", "decode tok/s"):
+        table.add_column(name, justify="right")
+    for r in rows:
+        budget = "off" if r["step_tokens"] is None else str(r["step_tokens"])
+        table.add_row(budget, f"{r['itl_median_ms']:.1f}", f"{r['itl_p99_ms']:.1f}",
+                      f"{r['p99_over_median']:.2f}", f"{r['itl_max_ms']:.1f}",
+                      f"{r['long_prompt_ttft_ms']:.0f}", f"{r['decode_tok_s']:.1f}")
+    console().print(table)
 
 
 def main() -> None:
