@@ -10,11 +10,15 @@ ifeq ($(MODEL_FILE),)
 $(error unknown MODEL '$(MODEL)' (known: smollm2, gemma3))
 endif
 
-.PHONY: run test fuzz setup model models lint bench clean
+.PHONY: run serve test fuzz setup model models lint bench clean
 
 ## run: set up, fetch the model (MODEL=smollm2 or gemma3) and generate 32 tokens with the prealloc KV cache
 run: setup model
 	$(BIN)/model-generate --kv prealloc $(MODEL_FILE) "Once upon a time" 32
+
+## serve: set up, fetch the model and serve it over the OpenAI API on http://127.0.0.1:8080 (model-serve)
+serve: setup model
+	$(BIN)/model-serve $(MODEL_FILE)
 
 ## test: set up, fetch every model the tests use and run the test suite
 test: setup models
