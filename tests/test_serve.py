@@ -13,10 +13,13 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
+
+from inferno.cli.common import set_threads
 
 openai = pytest.importorskip("openai")
 
@@ -92,7 +95,8 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(model_path):
-    srv = Server(str(model_path), "--max-batch", "8", "--step-tokens", "256", "--max-waiting", "64")
+    srv = Server(str(model_path), "--max-batch", "8", "--step-tokens", "256", "--max-waiting", "64",
+                 "--threads", "1")
     yield srv
     code = srv.stop(signal.SIGINT)
     assert code == 130, srv.stderr  # Ctrl-C's exit code, after a clean stop
@@ -105,11 +109,28 @@ def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
 
 
+@contextmanager
+def one_thread():
+    """The kernels on one thread, as the test server runs them: on a busy 2-core machine two threads per
+    parallel loop wait on each other's preemption (a 37-token prefill took 3-8 s, 0.6 s on one)."""
+    import numba
+    from threadpoolctl import threadpool_limits
+
+    before = numba.get_num_threads()
+    set_threads(1)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(before)
+        threadpool_limits(before)
+
+
 @pytest.fixture(scope="module")
 def references(engine):
     """model-generate's greedy tokens for each question, through the chat template, computed in this
     process: {question: RunRecord}."""
-    return {q: engine.generate(q, NEW_TOKENS, chat=True) for q in QUESTIONS}
+    with one_thread():
+        return {q: engine.generate(q, NEW_TOKENS, chat=True) for q in QUESTIONS}
 
 
 def generated(ids: list[int], engine) -> list[int]:
@@ -162,7 +183,8 @@ def test_chat_stream_with_usage_and_content_parts(client, references):
 
 def test_completions_greedy_equals_generate_streamed_and_not(client, engine):
     prompt = "The three largest planets of the solar system are"
-    ref = engine.generate(prompt, NEW_TOKENS)
+    with one_thread():
+        ref = engine.generate(prompt, NEW_TOKENS)
     whole = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
     assert whole.choices[0].text == ref.text
     assert whole.choices[0].finish_reason == "length"
@@ -332,7 +354,8 @@ def test_metrics_come_from_request_records(server):
 
 
 def test_gemma_without_template_full_queue_api_key_and_sigterm(gemma_path):
-    srv = Server(str(gemma_path), "--max-batch", "1", "--max-waiting", "1", "--api-key", "secret")
+    srv = Server(str(gemma_path), "--max-batch", "1", "--max-waiting", "1", "--api-key", "secret",
+                 "--threads", "1")
     try:
         auth = {"Authorization": "Bearer secret", "Content-Type": "application/json"}
         model = gemma_path.name
