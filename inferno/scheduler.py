@@ -134,6 +134,7 @@ class Scheduler:
         self._next_id = 0
         self.steps = 0
         self.preemptions = 0
+        self.peak_blocks = 0  # most pool blocks held after a forward, before finished requests free theirs
 
     # -- the three verbs ---------------------------------------------------------------------------
 
@@ -174,6 +175,8 @@ class Scheduler:
         batch = self._schedule()
         if batch:
             logits, ms, error = self._execute(batch)
+            if self.pool is not None:
+                self.peak_blocks = max(self.peak_blocks, self.pool.used_blocks)
             events += self._update(batch, logits, ms, error)
         return events
 

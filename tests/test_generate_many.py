@@ -72,3 +72,42 @@ def test_a_bad_batch_line_is_refused_naming_it(generate, model_path, tmp_path):
     batch.write_text('hello\n{"prompt": "x", "colour": 1}\n')
     code, out, err = generate("--batch", batch, model_path)
     assert code == 2 and "line 2" in err and "colour" in err and out == ""
+
+
+def test_stop_strings_and_end_tokens_end_every_sequence(generate, model_path, tmp_path):
+    """--stop and a line's "stop" cut the text before it; a chat reply never shows its end-of-turn token."""
+    batch = tmp_path / "prompts.jsonl"
+    batch.write_text(json.dumps({"prompt": "The capital of France is Paris. The capital of Italy is",
+                                 "stop": "."}) + "\n" + json.dumps({"prompt": "Once upon a time"}) + "\n")
+    code, out, err = generate("--batch", batch, "--stop", "the", "--json", model_path, 24)
+    assert code == 0, err
+    first, second, _ = [json.loads(line) for line in out.splitlines()]
+    assert first["stopped_by"] == "." and first["finish_reason"] == "stop" and "." not in first["text"]
+    assert second["stopped_by"] == "the" and "the" not in second["text"]
+    code, out, err = generate("--num-samples", 2, "--chat", "--json", model_path, "Say hello.", 40)
+    assert code == 0, err
+    for sample in json.loads(out)["samples"]:
+        assert sample["finish_reason"] == "stop" and "<|im_end|>" not in sample["text"]
+
+
+BAD_LINES = ['{"prompt": "x", "temperature": "hot"}', '{"prompt": "x", "seed": null, "top_k": 1.5}',
+             '{"prompt": "x", "stop": [1]}', '{"prompt": "x", "max_new_tokens": true}',
+             '{"prompt": "x", "top_p": 1e999}', '{"prompt": "\\ud800"}']
+
+
+@pytest.mark.parametrize("line", BAD_LINES)
+def test_a_batch_line_of_the_wrong_type_is_refused_in_one_line(generate, model_path, tmp_path, line):
+    batch = tmp_path / "prompts.jsonl"
+    batch.write_text(line + "\n")
+    code, out, err = generate("--batch", batch, model_path)
+    assert code == 2 and "line 1" in err and len(err.strip().splitlines()) == 1 and out == ""
+
+
+def test_samples_run_in_any_layout(generate, model_path):
+    code, out, err = generate("--num-samples", 2, "--kv", "prealloc", "--kv-dtype", "q8_0", "--json",
+                              model_path, "Once upon a time", 4)
+    assert code == 0, err
+    samples = json.loads(out)["samples"]
+    code, out, err = generate("--kv", "prealloc", "--kv-dtype", "q8_0", "--json", model_path,
+                              "Once upon a time", 4)
+    assert samples[0]["token_ids"] == samples[1]["token_ids"] == json.loads(out)["token_ids"]

@@ -165,6 +165,8 @@ def run_all(scheduler: Scheduler, requests: list[Request]) -> Run:
         for event in events:
             if event.error is not None:
                 raise InfernoError(event.error)
+    if scheduler.pool is not None:
+        peak = scheduler.peak_blocks * scheduler.pool.block_nbytes
     generations = [scheduler.pop(i) for i in ids]
     return Run(generations, (perf_counter() - t0) * 1000, steps, decode_steps, decode_ms, decode_tokens, peak,
                start, scheduler.preemptions)
