@@ -24,7 +24,8 @@ def greedy(engine, ids: list[int], kv: str, dtype: str = "f32", **options) -> li
 
 
 @pytest.mark.parametrize(("kind", "dtype"), PAIRS, ids=[f"{k}-{d}" for k, d in PAIRS])
-def test_every_layout_generates_what_prealloc_of_its_element_type_generates(engine, gemma_engine, kind, dtype):
+def test_every_layout_generates_what_prealloc_of_its_element_type_generates(engine, gemma_engine, kind,
+                                                                            dtype):
     assert dtype in KINDS[kind].dtypes
     for model in (engine, gemma_engine):
         ids = model.tokenizer.encode(PROMPT)
@@ -110,7 +111,8 @@ def test_stop_strings_and_end_tokens_end_every_request_of_a_batch(engine):
         scheduler.step()
     chat, stopped = scheduler.pop(a), scheduler.pop(b)
     assert chat.finish_reason == "stop" and "<|im_end|>" not in chat.output.text
-    assert stopped.finish_reason == "stop" and stopped.output.stopped_by == "." and "." not in stopped.output.text
+    assert stopped.finish_reason == "stop" and stopped.output.stopped_by == "."
+    assert "." not in stopped.output.text
 
 
 def test_gemma_samples_hold_the_prompt_once_and_sliding_layers_only_their_window(gemma_engine):

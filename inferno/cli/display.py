@@ -105,7 +105,8 @@ def bench_table(rows: dict[str, dict], prompt_tokens: int, new_tokens: int, wind
 
 def sweep_table(rows: list[dict], prompt_tokens: int, new_tokens: int, block_size: int,
                 activations: str = "f32") -> Table:
-    title = f"batch sweep: {prompt_tokens}-token prompt, B x {new_tokens} greedy tokens, blocks of {block_size}"
+    title = (f"batch sweep: {prompt_tokens}-token prompt, B x {new_tokens} greedy tokens, "
+             f"blocks of {block_size}")
     if activations != "f32":
         title += f", {activations} activations"
     table = Table(title=title, title_justify="left")
