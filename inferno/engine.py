@@ -21,10 +21,10 @@ from time import perf_counter
 
 import numpy as np
 
-from inferno import kernels, prepared
+from inferno import arguments, kernels, prepared
 from inferno.config import ModelConfig
 from inferno.errors import InfernoError
-from inferno.kv import DEFAULT_DTYPE, KVCache, cache_class, make_cache
+from inferno.kv import DEFAULT_DTYPE, DTYPES, KINDS, KVCache, cache_class, make_cache
 from inferno.kv.paged import BLOCK_SIZE, BlockPool, PagedKVCache
 from inferno.metrics import RunRecord, Startup
 from inferno.model import Transformer
@@ -57,6 +57,7 @@ class Engine:
     def load(cls, path: str | os.PathLike, progress: Progress | None = None) -> Engine:
         """Read the model (from the prepared-model cache when it holds this file), build its tokenizer
         and compile the kernels."""
+        path = arguments.path("path", path)
         step = progress or (lambda _message: nullcontext())
         t0 = perf_counter()
         with step(f"loading {path}"):
@@ -82,6 +83,11 @@ class Engine:
         runs past the model's context in its sliding layers; its global layers, if any, hold up to
         --max-context (default: the model's context).
         """
+        arguments.choice("kind", kind, list(KINDS), optional=True)
+        arguments.count("prompt_tokens", prompt_tokens, 0)
+        arguments.count("new_tokens", new_tokens, 0)
+        arguments.optional_count("max_context", max_context)
+        arguments.choice("dtype", dtype, list(DTYPES))
         cache = self._cache_for(kind, prompt_tokens, new_tokens, max_context, dtype, **options)
         if cache is not None:
             self._ready_cache(cache, kind, dtype)
@@ -250,6 +256,8 @@ class Engine:
         `kv` with rows of element type `kv_dtype` is made for the request (None: no cache, the naive
         path) with cache_options (`window=256`).
         """
+        prompt_ids = arguments.token_ids("prompt_ids", prompt_ids, self.config.vocab_size)
+        arguments.count("max_new_tokens", max_new_tokens)
         if cache is None:
             cache = self.make_cache(kv, len(prompt_ids), max_new_tokens, max_context, kv_dtype,
                                     **cache_options)
@@ -266,18 +274,22 @@ class Engine:
     def stream(self, prompt: str, max_new_tokens: int = 32, chat: bool = False, system: str | None = None,
                **options) -> Iterator[str]:
         """The generated text, piece by piece as tokens come (options: those of `start`)."""
+        _check_prompt(prompt, max_new_tokens, chat, system)
         prompt_ids = self.tokenizer.encode(self.prompt_text(prompt, chat, system))
         for _, piece in self.start(prompt_ids, max_new_tokens, **options):
             yield piece
 
     def run(self, prompt_ids: list[int], max_new_tokens: int, **options) -> Generation:
         """`start` to the end: the finished Generation (tokens, text, metrics, cache)."""
+        prompt_ids = arguments.token_ids("prompt_ids", prompt_ids, self.config.vocab_size)
+        arguments.count("max_new_tokens", max_new_tokens)
         *_, (generation, _) = self.start(prompt_ids, max_new_tokens, **options)
         return generation
 
     def generate(self, prompt: str, max_new_tokens: int = 32, chat: bool = False, system: str | None = None,
                  **options) -> RunRecord:
         """Generate to the end (or a stop string) and return the run's record: text, ids, metrics."""
+        _check_prompt(prompt, max_new_tokens, chat, system)
         text = self.prompt_text(prompt, chat, system)
         t0 = perf_counter()
         generation = self.run(self.tokenizer.encode(text), max_new_tokens, **options)
@@ -302,6 +314,14 @@ class Engine:
             load_cache_ms=load_cache_ms,
             stopped_by=output.stopped_by,
         )
+
+
+def _check_prompt(prompt: object, max_new_tokens: object, chat: object, system: object) -> None:
+    """generate's and stream's arguments, each refused by name (a str count, a bool, a bytes prompt)."""
+    arguments.text("prompt", prompt)
+    arguments.count("max_new_tokens", max_new_tokens)
+    arguments.flag("chat", chat)
+    arguments.text("system", system, optional=True)
 
 
 def load(path: str | os.PathLike, progress: Progress | None = None) -> Engine:
