@@ -30,7 +30,7 @@ __all__ = [
 
 def cache_class(kind: str) -> type[KVCache]:
     """The class of the cache kind `kind` names; unknown names are refused with the valid ones."""
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:
         raise InfernoError(f"unknown KV cache kind {kind!r} (valid: {', '.join(KINDS)})")
     return KINDS[kind]
 
@@ -43,6 +43,7 @@ def make_cache(
     `block_size`)."""
     cls = cache_class(kind)
     _check_options(cls, cls.__init__, options)
+    _check_values(capacity, dtype, options)
     return cls(geometry, capacity, dtype=dtype, **options)
 
 
@@ -53,6 +54,7 @@ def planned_nbytes(
     (what kv-memcalc prints)."""
     cls = cache_class(kind)
     _check_options(cls, cls.planned_nbytes, {k: v for k, v in options.items() if k != "rotary"})
+    _check_values(capacity, dtype, options)
     return cls.planned_nbytes(geometry, capacity, dtype=dtype, **options)
 
 
@@ -61,3 +63,18 @@ def _check_options(cls: type[KVCache], method, options: dict) -> None:
     unknown = [name for name in options if name not in inspect.signature(method).parameters]
     if unknown:
         raise InfernoError(f"{', '.join(unknown)} do not apply to a {cls.kind!r} cache")
+
+
+# The least each count a kind takes may be; None (the kind's default) is always allowed.
+_OPTION_MINIMUM = {"block_size": 1, "window": 1, "sinks": 0}
+
+
+def _check_values(capacity: int, dtype: str, options: dict) -> None:
+    """Types and values, each refused by name before a cache divides by a block size of 0 or sizes
+    itself from a str."""
+    from inferno import arguments
+
+    arguments.count("capacity", capacity)
+    arguments.choice("dtype", dtype, DTYPES)
+    for name, minimum in _OPTION_MINIMUM.items():
+        arguments.optional_count(name, options.get(name), minimum)
