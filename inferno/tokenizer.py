@@ -253,14 +253,22 @@ class GGUFTokenizer:
         """True for the tokens that end generation: EOS, end-of-turn and the like."""
         return id in self._stop_ids
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render the file's chat template for `messages` (dicts with "role" and "content")."""
-        if self._chat_template is None:
-            raise InfernoError("this GGUF has no chat template (tokenizer.chat_template)")
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            template: str | None = None) -> str:
+        """Render the file's chat template (or `template`, a --chat-template file's text) for `messages`
+        (dicts with "role" and "content"), with this model's special tokens."""
+        template = template if template is not None else self._chat_template
+        if template is None:
+            raise InfernoError("this GGUF has no chat template (tokenizer.chat_template): "
+                               "give one with --chat-template FILE")
         from inferno.chat_template import render  # jinja2 is imported only by runs that use a template
 
-        return render(self._chat_template, messages=messages, tools=None, documents=None,
+        return render(template, messages=messages, tools=None, documents=None,
                       add_generation_prompt=add_generation_prompt, **self._special_tokens)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat_template is not None
 
     def _token(self, id: int) -> str:
         if not 0 <= id < len(self._tokens):

@@ -181,6 +181,23 @@ class KVCache(ABC):
         """Committed positions some layer no longer holds (only a kind that `evicts` has any)."""
         return 0
 
+    def truncate(self, length: int) -> int:
+        """Forget every position from `length` on, written or committed (a chat turn edited, a forward
+        interrupted): the positions kept. A kind whose stored rows depend on later ones (grouped element
+        types, a window that slid, shared blocks) starts over instead: 0."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"truncate to {length} of the {self.length} committed positions")
+        if max(self._written) > length and not self._truncate(length):
+            self.reset()
+            return 0
+        self.length = length
+        self._written = [length] * self.n_layers
+        return length
+
+    def _truncate(self, length: int) -> bool:
+        """Drop the rows past `length`, or say (False) that this kind cannot."""
+        return False
+
     def reset(self) -> None:
         """Forget every token (memory is kept where the kind allows it)."""
         self.length = 0

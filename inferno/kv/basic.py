@@ -37,6 +37,11 @@ class BasicKVCache(KVCache):
     def _rows(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         return self._keys[layer][:end], self._values[layer][:end]
 
+    def _truncate(self, length: int) -> bool:
+        self._keys = [k[:length] for k in self._keys]
+        self._values = [v[:length] for v in self._values]
+        return True
+
     def _clear(self) -> None:
         empty = np.zeros((0, self.kv_width), dtype=np.float32)
         self._keys = [empty] * self.n_layers

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from inferno.kv.base import KVCache
-from inferno.kv.dtypes import DTYPES, F32
+from inferno.kv.dtypes import DTYPES, F32, RowStore
 from inferno.kv.geometry import KVGeometry
 from inferno.kv.memory import lazy_zeros
 
@@ -65,3 +65,6 @@ class PreallocKVCache(KVCache):
 
     def _clear(self) -> None:
         self.store.clear()
+
+    def _truncate(self, length: int) -> bool:
+        return type(self.store) is RowStore  # one row a position: later rows are stale, never read
