@@ -334,6 +334,16 @@ def test_disconnected_streams_are_aborted(server):
     assert server.metric("num_requests_waiting") == 0
     assert server.metric("kv_cache_usage_perc") == 0
     assert server.metric("request_success_total", 'finished_reason="abort"') == aborted + 8
+    # a client that stops waiting for a whole (not streamed) answer has its request aborted too
+    with pytest.raises(httpx.ReadTimeout):
+        whole = body.replace('"stream": true', '"stream": false')
+        httpx.post(f"{server.url}/v1/chat/completions", content=whole,
+                   headers={"Content-Type": "application/json"}, timeout=httpx.Timeout(60, read=1.5))
+    deadline = time.monotonic() + 2
+    while server.metric("num_requests_running") != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.metric("num_requests_running") == 0
+    assert server.metric("request_success_total", 'finished_reason="abort"') == aborted + 9
 
 
 def test_metrics_come_from_request_records(server):

@@ -165,9 +165,11 @@ def create_app(engine_loop: EngineLoop, tokenizer: GGUFTokenizer, metrics: Serve
         if body.stream:
             return EngineStream(stream(sub, shape, prepared, body.include_usage),
                                 on_close=lambda: engine_loop.abort(sub))
+        watcher = asyncio.create_task(abort_on_disconnect(request, lambda: engine_loop.abort(sub)))
         try:
-            results = await collect(request, sub, len(requests))
+            results = await collect(sub, len(requests), watcher)
         finally:
+            watcher.cancel()
             engine_loop.abort(sub)  # a no-op for requests that finished; frees any a failure left going
         return JSONResponse(shape.response(results, prepared))
 
@@ -196,6 +198,9 @@ def prepare_chat(tokenizer: GGUFTokenizer, config: ServeConfig, body: ChatComple
     except InfernoError as exc:
         raise bad_request(str(exc), "messages") from None
     ids = tokenizer.encode(text)
+    bos = tokenizer.bos_id
+    if bos is not None and ids[:2] == [bos, bos]:  # the template wrote bos_token, and encode added one
+        ids = ids[1:]
     return Prepared([ids], new_tokens(config, [ids], body.new_tokens, "messages"), body.n or 1)
 
 
@@ -275,25 +280,28 @@ class Choice:
             self.finish_reason, self.item = item.finish_reason, item
 
 
-async def collect(request: Request, sub: Submission, count: int) -> list[Choice]:
-    """Every choice to its end; a client that goes away has its requests aborted."""
+async def abort_on_disconnect(request: Request, abort: Callable[[], None]) -> None:
+    """Wait for the client to go away (the body is read: the next message is http.disconnect) and abort
+    its requests, so their sequences and blocks are freed at the next step."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    abort()
+
+
+async def collect(sub: Submission, count: int, watcher: asyncio.Task) -> list[Choice]:
+    """Every choice to its end."""
     choices = [Choice(i) for i in range(count)]
     remaining = count
     while remaining:
-        try:
-            items = await asyncio.wait_for(sub.queue.get(), timeout=1.0)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                # nobody reads the answer; the abort is in answer's finally
-                raise APIError(499, "the client closed the request") from None
-            continue
-        for item in items:
+        for item in await sub.queue.get():
             choices[item.index].add(item)
             remaining -= item.finish_reason is not None
     for choice in choices:
         if choice.finish_reason == "error":
             raise APIError(500, f"generation failed: {choice.item.error}", "server_error")
         if choice.finish_reason == "abort":
+            if watcher.done():  # nobody reads this answer
+                raise APIError(499, "the client closed the request")
             raise APIError(503, "the request was aborted: the server is shutting down", "server_error")
     return choices
 
