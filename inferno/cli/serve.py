@@ -169,7 +169,7 @@ def command(model, host, port, kv, kv_dtype, block_size, cache_memory, max_batch
         cache_line = (f"KV cache {kv} {kv_dtype}: a cache of its own per request (prompt + max_tokens), "
                       f"no prefix sharing; --cache-memory does not apply")
     engine.ready_for(max_sequence)  # the long-prompt (BLAS) kernels, loaded now rather than in a request
-    has_model_template = getattr(engine.tokenizer, "_chat_template", None) is not None
+    has_model_template = engine.tokenizer.has_chat_template
     if template is not None:
         try:
             render_chat(engine.tokenizer, template, [{"role": "user", "content": "hi"}])

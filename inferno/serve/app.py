@@ -182,13 +182,7 @@ def create_app(engine_loop: EngineLoop, tokenizer: GGUFTokenizer, metrics: Serve
 def render_chat(tokenizer: GGUFTokenizer, template: str | None, messages: list[dict[str, str]]) -> str:
     """The prompt text of `messages`: the model's chat template, or `template` (--chat-template) rendered
     the same way, with the model's special tokens (bos_token, eos_token...)."""
-    if template is None:
-        return tokenizer.apply_chat_template(messages)
-    from inferno.chat_template import render
-
-    specials = getattr(tokenizer, "_special_tokens", None) or {}
-    return render(template, messages=messages, tools=None, documents=None, add_generation_prompt=True,
-                  **specials)
+    return tokenizer.apply_chat_template(messages, template=template)
 
 
 def prepare_chat(tokenizer: GGUFTokenizer, config: ServeConfig, body: ChatCompletionRequest,
