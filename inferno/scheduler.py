@@ -173,6 +173,10 @@ class Scheduler:
         """One forward over what the budget allows; the events it produced, in request order."""
         events, self._ended = self._ended, []
         batch = self._schedule()
+        if not batch and not self.running and self.waiting:  # it can never start: say so, never spin
+            gen = self.waiting.popleft()
+            self._finish(gen, "error")
+            events.append(Event(gen.id, None, "", "error", error="the request does not fit in the KV cache"))
         if batch:
             logits, ms, error = self._execute(batch)
             if self.pool is not None:
