@@ -317,7 +317,8 @@ class EngineStream(StreamingResponse):
 
 
 def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {text}\n\n"
 
 
 async def stream(sub: Submission, shape: Shape, prepared: Prepared,
