@@ -410,3 +410,16 @@ def test_chat_template_flag_renders_like_the_model(engine):
     rendered = render_chat(engine.tokenizer, template, messages)
     assert rendered == "[system] Be brief.\n[user] Hi\n<|im_end|>"  # the model's eos_token
     assert render_chat(engine.tokenizer, None, messages) == engine.tokenizer.apply_chat_template(messages)
+
+
+def test_bench_serve_reports_against_the_server(server, capsys):
+    from inferno.bench import serve as bench
+
+    code = bench.main(["--url", server.url, "--clients", "2", "--requests", "2", "--max-tokens", "4",
+                       "--system-words", "60", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["ok"] == 2 and report["errors"] == 0
+    assert report["output_tokens"] == 8 and report["output_tok_s"] > 0
+    assert report["ttft_p50_s"] > 0 and 0 <= report["prefix_hit_ratio"] <= 1
+    with pytest.raises(SystemExit, match="not a loopback address"):
+        bench.main(["--url", "http://example.com:8080"])
