@@ -3,7 +3,10 @@ model and how a positional argument is recognised as one."""
 
 from __future__ import annotations
 
+import errno
+import io
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, suppress
@@ -16,35 +19,127 @@ from inferno.errors import InfernoError
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM: a `kill` unwinds as Ctrl-C does (temp files removed), then this
+STDOUT_CLOSED = "standard output is closed (`>&-`): redirect it to a file or /dev/null instead"
 DEFAULT_MODEL = Path("models") / "SmolLM2-135M-Instruct.Q4_1.gguf"  # relative to a checkout
+# Names a model argument may be instead of a path: the files bin/fetch-model (and the Makefile) fetch.
+MODEL_FILES = {"smollm2": DEFAULT_MODEL, "gemma3": Path("models") / "gemma-3-270m-q4_k_m.gguf"}
 
 
 def fail(prog: str, message: str) -> NoReturn:
     first_line = message.strip().splitlines()[0] if message.strip() else "failed"
-    click.echo(f"{prog}: error: {first_line}", err=True)
+    say(f"{prog}: error: {first_line}")
     sys.exit(EXIT_BAD_INPUT)
 
 
+def say(line: str) -> None:
+    """One line on stderr, if there is a stderr to write to."""
+    with suppress(OSError, ValueError, AttributeError):
+        click.echo(line, err=True)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised wherever the program is: it unwinds as Ctrl-C does (a half-written snapshot's
+    temp file is removed, a run stops where it is), and the command exits EXIT_TERMINATED."""
+
+
+class _ClosedOutput(io.RawIOBase):
+    """What stdout is when the command was started with it closed: every write fails with EBADF."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        raise OSError(errno.EBADF, STDOUT_CLOSED)
+
+
+def stdout_closed() -> bool:
+    """True when the command was started with stdout closed (`>&-`): nothing it prints can be delivered."""
+    stream = sys.stdout
+    if stream is None or isinstance(getattr(getattr(stream, "buffer", None), "raw", None), _ClosedOutput):
+        return True
+    try:
+        fd = stream.fileno()
+    except (OSError, ValueError, AttributeError):
+        return False  # not a file descriptor (a test's capture): writable as far as we know
+    try:
+        os.fstat(fd)
+    except OSError:
+        return True
+    return False
+
+
+def require_stdout() -> None:
+    """For commands whose output is their point: refuse before any work when stdout is closed."""
+    if stdout_closed():
+        raise InfernoError(STDOUT_CLOSED)
+
+
+_signalled: list[int] = []  # SIGTERM, once received during run()
+
+
+def _terminate(signum: int, frame) -> None:
+    _signalled.append(signum)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second kill does not interrupt the clean-up
+    raise Terminated
+
+
 def run(command: click.Command, prog: str) -> None:
-    """Run a click command; bad flags and InfernoError become one line on stderr and exit code 2."""
+    """Run a click command; bad flags and InfernoError become one line on stderr and exit code 2.
+
+    Ctrl-C exits 130 and SIGTERM 143, each with one line; a closed stdout is one line, exit 2."""
+    if sys.stdout is None:  # started with fd 1 closed: writes fail with one line, not AttributeError
+        sys.stdout = io.TextIOWrapper(io.BufferedWriter(_ClosedOutput()), line_buffering=True)
+    _signalled.clear()
+    try:
+        previous = signal.signal(signal.SIGTERM, _terminate)
+    except ValueError:  # not the main thread: leave signals alone
+        previous = None
     try:
         # Not command.main(): it turns a broken pipe into exit code 1 before we could see it.
         with command.make_context(prog, sys.argv[1:]) as ctx:
             command.invoke(ctx)
     except click.exceptions.Exit as done:
         sys.exit(done.exit_code)
+    except SystemExit as done:  # a command that stopped on its own after a KeyboardInterrupt
+        if done.code == EXIT_INTERRUPTED and _signalled:
+            sys.exit(EXIT_TERMINATED)  # (it was a SIGTERM)
+        raise
     except click.ClickException as bad:
         fail(prog, bad.format_message())
     except InfernoError as bad:
         fail(prog, str(bad))
+    except Terminated:
+        say(f"{prog}: terminated")
+        sys.exit(EXIT_TERMINATED)
     except (KeyboardInterrupt, click.Abort):
-        click.echo(f"{prog}: interrupted", err=True)
+        say(f"{prog}: interrupted")
         sys.exit(EXIT_INTERRUPTED)
     except BrokenPipeError:
         # The reader went away (`| head`): stop quietly, as Unix tools do. stdout now points at
         # /dev/null, so the interpreter's last flush of what is still buffered cannot fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        with suppress(OSError, ValueError, AttributeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
+    except OSError as exc:
+        if exc.errno != errno.EBADF and exc.errno != errno.ENOSPC:
+            raise
+        # stdout closed (`>&-`) or full (`>/dev/full`): nothing more can be delivered
+        _drop_stdout()
+        fail(prog, STDOUT_CLOSED if exc.errno == errno.EBADF else f"cannot write the output: {exc.strerror}")
+    except MemoryError:
+        fail(prog, "out of memory: ask for less (a shorter prompt or context, fewer samples)")
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _drop_stdout() -> None:
+    """Replace stdout by /dev/null so the interpreter's last flush of what is buffered cannot fail again."""
+    with suppress(OSError, ValueError, AttributeError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (lives until the process ends)
 
 
 def script(main: Callable[[], None]) -> Callable[[], NoReturn]:
@@ -63,7 +158,7 @@ def script(main: Callable[[], None]) -> Callable[[], NoReturn]:
             if not isinstance(done.code, int | None):
                 print(done.code, file=sys.stderr)
         for stream in (sys.stdout, sys.stderr):
-            with suppress(BrokenPipeError, ValueError):  # the reader went away: nothing to deliver
+            with suppress(OSError, ValueError, AttributeError):  # the reader went away, or fd closed
                 stream.flush()
         os._exit(code)
 
@@ -97,23 +192,45 @@ def blame(flag: str, value: object) -> Iterator[None]:
         raise InfernoError(f"{bad} ({flag} {value})") from None
 
 
+def _fetched(relative: Path) -> Path | None:
+    """`relative` (models/...) in the working directory, else in this checkout; None when in neither."""
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        if (root / relative).is_file():
+            return root / relative
+    return None
+
+
 def default_model() -> Path:
     """$INFERNO_MODEL, else models/ in the working directory, else models/ of this checkout."""
     if os.environ.get("INFERNO_MODEL"):
         return Path(os.environ["INFERNO_MODEL"])
-    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
-        if (root / DEFAULT_MODEL).is_file():
-            return root / DEFAULT_MODEL
-    raise InfernoError(
-        f"no model given and the default model is not at {DEFAULT_MODEL}: "
-        "fetch it with `make model` (bin/fetch-model), or pass a .gguf path"
-    )
+    found = _fetched(DEFAULT_MODEL)
+    if found is None:
+        raise InfernoError(
+            f"no model given and the default model is not at {DEFAULT_MODEL}: "
+            "fetch it with `make model` (bin/fetch-model), or pass a .gguf path"
+        )
+    return found
+
+
+def model_file(arg: str | os.PathLike | None) -> Path:
+    """A command's model argument as a file: none given is the default model; a name bin/fetch-model
+    knows (smollm2, gemma3) is its file in models/, unless a file of that very name is here."""
+    if arg is None:
+        return default_model()
+    name = str(arg)
+    if name not in MODEL_FILES or os.path.exists(name):
+        return Path(arg)
+    found = _fetched(MODEL_FILES[name])
+    if found is None:
+        raise InfernoError(f"model {name} is not fetched: run `bin/fetch-model {name}`")
+    return found
 
 
 def looks_like_model(arg: str) -> bool:
-    """A positional argument is a model path when it says so (.gguf) or is a GGUF file; a file that
-    happens to be named like the prompt is not."""
-    return arg.endswith(".gguf") or is_gguf_file(arg)
+    """A positional argument is a model when it says so (.gguf, or a name such as smollm2) or is a GGUF
+    file; a file that happens to be named like the prompt is not."""
+    return arg.endswith(".gguf") or arg in MODEL_FILES or is_gguf_file(arg)
 
 
 def is_gguf_file(path: str) -> bool:
@@ -167,11 +284,58 @@ def console(stderr: bool = False):
 
 
 def progress_on(console) -> Callable[[str], AbstractContextManager] | None:
-    """Engine.load's progress callback showing each step as a spinner on `console` (None: quiet)."""
+    """Engine.load's progress callback showing each step as a spinner on `console` (None: quiet).
+
+    The kernel step says whether they load from Numba's disk cache or compile (see kernels_cached)."""
     if console is None:
         return None
 
     def step(message: str) -> AbstractContextManager:
+        if message.startswith("compiling kernels"):
+            message = KERNEL_STEPS[kernels_cached()]
         return console.status(message)
 
     return step
+
+
+KERNEL_STEPS = {True: "loading kernels", False: "compiling kernels (first run)",
+                None: "loading or compiling kernels"}
+KERNEL_MODULES = ("inferno.kernels", "inferno.quant", "inferno.quant_batch", "inferno.nibble_dots")
+
+
+def kernels_cached() -> bool | None:
+    """True when Numba's on-disk cache holds kernels of every kernel module for this CPU and source
+    (each module's index file is read: about 10 ms), False when some module has none (the first run,
+    or its source changed), None when it cannot be told."""
+    import hashlib
+
+    try:
+        from numba.core.dispatcher import Dispatcher
+        from numba.core.registry import cpu_target
+
+        magic = cpu_target.target_context.codegen().magic_tuple()
+        verdicts = []
+        for name in KERNEL_MODULES:
+            hits = None
+            for kernel in getattr(sys.modules.get(name), "__dict__", {}).values():
+                index = getattr(getattr(kernel, "_cache", None), "_cache_file", None)
+                if not isinstance(kernel, Dispatcher) or index is None:
+                    continue
+                code = hashlib.sha256(kernel.py_func.__code__.co_code).hexdigest()
+                found = any(key[1] == magic and key[2][0] == code for key in index._load_index())
+                hits = bool(hits) or found
+            if hits is not None:
+                verdicts.append(hits)
+        return all(verdicts) if verdicts else None
+    except Exception:  # Numba's internals moved: say so rather than guess
+        return None
+
+
+def quiet_console(quiet: bool, as_json: bool = False):
+    """The stderr console progress and metrics go to, or None when --quiet or --json keep it silent."""
+    return None if quiet or as_json else console(stderr=True)
+
+
+def quiet_option() -> Callable:
+    return click.option("--quiet", "-q", is_flag=True,
+                        help="No progress and no metrics on stderr (the output itself is unchanged).")
