@@ -31,6 +31,8 @@ import contextlib
 import hashlib
 import json
 import os
+import secrets
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,8 +122,10 @@ class Snapshot:
         )
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write to a temporary file beside `path`, then rename: a failed save leaves no half file."""
+        """Write to a temporary file beside `path`, then rename: a failed (or interrupted: Ctrl-C,
+        SIGTERM) save leaves no half file, and nothing but `path`, a regular file, is ever replaced."""
         path = Path(path)
+        check_save_path(path)
         tensors = {"keys": self.keys, "values": self.values, "token_ids": self.token_ids}
         metadata = {
             "format": FORMAT,
@@ -134,13 +138,20 @@ class Snapshot:
             "kv_dtype": self.dtype,
         }
         data = save(tensors, metadata=metadata)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        created = False
         try:
-            tmp.write_bytes(data)
+            # O_EXCL: a name planted beside the file (a symlink, a FIFO) is never followed or opened
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+            created = True
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            check_save_path(path)  # what is at the path now, just before it is replaced
             os.replace(tmp, path)
-        except BaseException as exc:  # a full disk, a read-only directory, Ctrl-C: no temp file left
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
+        except BaseException as exc:  # a full disk, a read-only directory, Ctrl-C, SIGTERM: no temp file left
+            if created:
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
             if not isinstance(exc, OSError):
                 raise
             raise InfernoError(f"cannot save the KV cache to {path}: {exc.strerror or exc}") from None
@@ -190,7 +201,24 @@ class Snapshot:
             )
         if _data_sha256(tensors) != checksum:
             raise InfernoError(f"{path}: corrupt KV cache snapshot (its data does not match its checksum)")
-        return cls(keys, values, token_ids, architecture, geometry, fingerprint, dtype)
+        snapshot = cls(keys, values, token_ids, architecture, geometry, fingerprint, dtype)
+        snapshot.check_finite(path)
+        return snapshot
+
+    def check_finite(self, path: str | os.PathLike = "snapshot") -> None:
+        """Refuse rows holding NaN or infinity (a block's scale included): no model computes them, and
+        nothing downstream (norms, attention, a restored run) can make sense of them."""
+        t, g = element_type(self.dtype), self.geometry
+        for name, stored in (("keys", self.keys), ("values", self.values)):
+            for layer, rows in enumerate(stored):
+                decoded = rows if self.dtype == F32 else t.decode(rows, g)
+                bad = ~np.isfinite(decoded)
+                if bad.any():
+                    position = int(np.argwhere(bad)[0][0])
+                    raise InfernoError(
+                        f"{path}: corrupt KV cache snapshot ({name} of layer {layer} at position {position} "
+                        "hold NaN or infinity)"
+                    )
 
     def check_model(self, config: ModelConfig, fingerprint: str) -> None:
         """Refuse a model other than the one the snapshot was made with."""
@@ -235,6 +263,40 @@ class Snapshot:
             write(layer, 0, keys[layer, :n], values[layer, :n])
         cache.commit(n)
         return n
+
+
+def check_save_path(path: str | os.PathLike) -> None:
+    """Refuse, before any work, a snapshot path that is not a regular file or absent: a symlink (never
+    followed), a directory, a FIFO, a device or a socket; and a directory that does not exist."""
+    path = Path(path)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        info = None
+    except OSError as exc:
+        raise InfernoError(f"cannot save the KV cache to {path}: {exc.strerror or exc}") from None
+    if info is not None:
+        if stat.S_ISLNK(info.st_mode):
+            raise InfernoError(
+                f"cannot save the KV cache to {path}: it is a symbolic link, which is never followed or "
+                "replaced: name a regular file"
+            )
+        if not stat.S_ISREG(info.st_mode):
+            raise InfernoError(
+                f"cannot save the KV cache to {path}: it is {_file_kind(info.st_mode)}, not a regular file"
+            )
+    parent = path.parent
+    if not parent.is_dir():
+        raise InfernoError(f"cannot save the KV cache to {path}: no directory {parent}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InfernoError(f"cannot save the KV cache to {path}: directory {parent} is not writable")
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISSOCK, "a socket"))  # fmt: skip
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
 def _windows_text(windows: tuple[int | None, ...]) -> str:

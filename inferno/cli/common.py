@@ -69,6 +69,24 @@ def stdout_closed() -> bool:
     return False
 
 
+def physical_memory() -> int | None:
+    """Bytes of RAM this machine has (None where the OS does not say): what no request may need more of."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(what: str, needed: int) -> None:
+    """Refuse, before any work, a request whose KV cache alone would need more than the machine's RAM."""
+    total = physical_memory()
+    if total is not None and needed > total:
+        raise InfernoError(
+            f"{what} need {needed / 2**30:,.1f} GiB of KV cache, more than this machine's "
+            f"{total / 2**30:,.1f} GiB of memory"
+        )
+
+
 def require_stdout() -> None:
     """For commands whose output is their point: refuse before any work when stdout is closed."""
     if stdout_closed():

@@ -21,6 +21,7 @@ from inferno.cli.common import (
     default_model,
     looks_like_model,
     progress_on,
+    require_stdout,
     run,
     script,
     set_threads,
@@ -57,10 +58,36 @@ def split_positionals(args: tuple[str, ...], prompt: str | None = None) -> tuple
         raise click.UsageError(f"MAX_NEW_TOKENS must be a whole number, got {args[0]!r}") from None
 
 
-def read_prompt_file(path: str) -> str:
-    """The prompt in file `path`, or on standard input for `-`; it must be UTF-8."""
+PROMPT_FILE_LIMIT = 16 * 2**20  # bytes: past any context inferno runs (1M tokens x 16 bytes)
+MAX_NEW_TOKENS = 2**24  # a run's bookkeeping grows with its tokens; more than this never ends in practice
+MAX_SEQUENCES = 4096  # --num-samples and --max-batch: sequences decoded together at most
+
+
+def read_prompt_file(path: str, limit: int = PROMPT_FILE_LIMIT) -> str:
+    """The prompt in file `path`, or on standard input for `-`; it must be UTF-8 and at most `limit`
+    bytes (read no further: /dev/zero is refused at once). A FIFO other than `-` is refused: one that
+    nobody writes to would block the open forever."""
+    import stat
+
     try:
-        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+        if path == "-":
+            if sys.stdin is None:
+                raise InfernoError("--prompt-file -: standard input is closed")
+            data = sys.stdin.buffer.read(limit + 1)
+        else:
+            mode = os.stat(path).st_mode
+            if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+                raise InfernoError(f"--prompt-file {path} is a FIFO or socket: give a regular file, or - "
+                                   "with the pipe on standard input")
+            if stat.S_ISDIR(mode):
+                raise InfernoError(f"--prompt-file {path} is a directory")
+            if stat.S_ISREG(mode) and os.path.getsize(path) > limit:
+                raise InfernoError(f"--prompt-file {path} is more than the {limit // 2**20} MiB a prompt "
+                                   "may be")
+            with open(path, "rb") as f:
+                data = f.read(limit + 1)
+        if len(data) > limit:
+            raise InfernoError(f"--prompt-file {path} is more than the {limit // 2**20} MiB a prompt may be")
         return data.decode("utf-8")
     except OSError as exc:
         raise InfernoError(f"cannot read --prompt-file {path}: {exc.strerror or exc}") from None
@@ -134,7 +161,9 @@ def _optional_values(argv: list[str]) -> list[str]:
               help="Log every forward: token, its probability (and the K likeliest), ms, cache length.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text and tables.")
 @click.option("--save-cache", type=click.Path(dir_okay=False), default=None, metavar="FILE",
-              help="After the run, save the KV cache to FILE as a snapshot (without --kv: prealloc).")
+              help="After the run, save the KV cache to FILE as a snapshot (without --kv: prealloc). FILE is "
+                   "absent or a regular file (a symlink, FIFO, device or directory is refused before the "
+                   "run); Ctrl-C (exit 130) or SIGTERM (exit 143) leaves no file behind.")
 @click.option("--load-cache", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Start from a snapshot: only the prompt past its tokens is prefilled.")
 @version_option()
@@ -147,6 +176,7 @@ def command(args, kv, kv_dtype, max_context, block_size, num_samples, batch_file
     object on stdout). With a KV cache decode cost stays flat; without one every step reruns the
     whole sequence.
     """
+    require_stdout()  # `>&-`: refused before loading anything
     set_threads(threads)
     many = num_samples is not None or batch_file is not None
     if many:
@@ -164,6 +194,8 @@ def command(args, kv, kv_dtype, max_context, block_size, num_samples, batch_file
         system = utf8("--system", system)
     if max_new < 1:
         raise InfernoError(f"MAX_NEW_TOKENS must be at least 1, got {max_new}")
+    if max_new > MAX_NEW_TOKENS:
+        raise InfernoError(f"MAX_NEW_TOKENS {max_new:,} is more than the {MAX_NEW_TOKENS:,} a run can take")
     check_activations(activations)
     if kv is not None and kv not in KINDS:
         raise InfernoError(f"unknown KV cache mode {kv!r} (valid: {', '.join(KINDS)})")
@@ -180,6 +212,10 @@ def command(args, kv, kv_dtype, max_context, block_size, num_samples, batch_file
         raise InfernoError("--window, --sinks and --window-positions apply to --kv window")
     if save_cache and load_cache and Path(save_cache).resolve() == Path(load_cache).resolve():
         raise InfernoError("--save-cache names the --load-cache file, which is never modified: give another")
+    if save_cache:
+        from inferno.snapshot import check_save_path
+
+        check_save_path(save_cache)  # a symlink, FIFO, device or directory: refused before any work
     if (save_cache or load_cache or max_context or kv_dtype != DEFAULT_DTYPE) and kv is None:
         # a snapshot is a cache's contents, a context a cache's size, an element type a cache's rows
         kv = "prealloc"
@@ -199,6 +235,8 @@ def command(args, kv, kv_dtype, max_context, block_size, num_samples, batch_file
     engine = Engine.load(model_path, progress=None if as_json else progress_on(err))
     engine.startup = replace(engine.startup, imports_ms=imports_ms)
     engine.model.set_activations(activations)
+    check_bounds(engine, prompt, chat, system, max_new, num_samples, max_batch if batch_file else None,
+                 block_size, kv, kv_dtype)
     if many:
         from inferno.cli import generate_many
 
@@ -268,6 +306,41 @@ def command(args, kv, kv_dtype, max_context, block_size, num_samples, batch_file
         err.print(metrics_panel(record))
     if interrupted:
         sys.exit(EXIT_INTERRUPTED)
+
+
+def check_bounds(engine, prompt: str, chat: bool, system: str | None, max_new: int, num_samples: int | None,
+                 max_batch: int | None, block_size: int | None, kv: str | None, kv_dtype: str) -> None:
+    """What the model's context and the machine's memory can hold, checked before any work: a block
+    no longer than the context; N sequences of the prompt and their new tokens within RAM."""
+    from inferno.cli.common import check_memory
+    from inferno.kv import planned_nbytes
+
+    context = engine.config.context_length
+    if block_size is not None and block_size > context:
+        raise InfernoError(f"--block-size {block_size:,} is more than the model's context of {context:,}")
+    sequences = num_samples or max_batch
+    if sequences is None:
+        return
+    flag = "--num-samples" if num_samples else "--max-batch"
+    if sequences > MAX_SEQUENCES:
+        raise InfernoError(f"{flag} {sequences:,} is more than the {MAX_SEQUENCES:,} sequences a run decodes "
+                           "together")
+    if num_samples:  # the prompt's length is known: each sample holds it and its new tokens
+        prompt_tokens = len(engine.tokenizer.encode(engine.prompt_text(prompt, chat, system)))
+        if prompt_tokens > context:
+            raise InfernoError(f"prompt of {prompt_tokens:,} tokens is longer than the model's context of "
+                               f"{context:,}")
+    else:  # --batch: at least one prompt token each
+        prompt_tokens = 1
+    tokens = min(prompt_tokens + max_new, context)
+    if kv in (None, "paged"):
+        size = block_size or 16
+        tokens = -(-tokens // size) * size
+    try:
+        per_token = planned_nbytes("prealloc", engine.config.kv_geometry, 1, kv_dtype)
+    except InfernoError:
+        per_token = engine.config.kv_geometry.nbytes(1, 4)
+    check_memory(f"{flag} {sequences:,} sequences of {tokens:,} tokens", sequences * tokens * per_token)
 
 
 def show(piece: str, as_json: bool) -> None:
