@@ -20,7 +20,7 @@ def kv_bench(run_main, monkeypatch, loaded_once):
 
 
 def test_json(kv_bench, engine):
-    code, out, err = kv_bench("-n", "6", "--window", "2", "--json")
+    code, out, err = kv_bench("-n", "6", "--average", "2", "--json")
     assert code == 0, err
     r = json.loads(out)
     assert set(r) == {"prompt_tokens", "new_tokens", "identical_tokens", "summary", "runs"}
@@ -29,9 +29,10 @@ def test_json(kv_bench, engine):
     for mode in DEFAULT_MODES:
         row, run = r["summary"][mode], r["runs"][mode]
         assert set(row) == {"ttft_ms", "decode_tok_s", "first_forward_ms", "last_forward_ms",
-                            "last_over_first", "cache_bytes"}
+                            "last_over_first", "cache_bytes", "kernels_ms"}
         assert len(run["token_ids"]) == 6 and len(run["metrics"]["per_forward_ms"]) == 6
-        assert row == summary_row(run["metrics"], 2)
+        assert row == summary_row(run["metrics"], 2) | {"kernels_ms": row["kernels_ms"]}
+        assert row["kernels_ms"] >= 0
         assert (row["cache_bytes"] == 0) == (mode == "off")
     # Greedy from one prompt: the tokens model-generate gives, whatever the cache.
     assert r["runs"]["off"]["token_ids"] == engine.generate("Once upon a time", 6, kv=None).token_ids
@@ -87,6 +88,9 @@ def test_summary_row_compares_the_last_decodes_with_the_first():
         (("--batch-sweep", "0,2"), "batch sizes must be at least 1, got '0,2'"),
         (("--batch-sweep", "2", "--block-size", "0"), "--block-size must be at least 1, got 0"),
         (("--batch-sweep", "2", "--fidelity"), "--batch-sweep and --fidelity do not go together"),
+        (("--window", "8"), "kv-bench's --window is now --average 8 (decode steps averaged)"),
+        (("--average", "0"), "--average must be at least 1, got 0"),
+        (("--plot", "x.pdf"), "--plot x.pdf: the file name must end in .svg or .png"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(kv_bench, args, fragment):

@@ -61,7 +61,7 @@ def generate(run_main):
 
 def test_json_log_follows_the_run_forward_by_forward(generate, model_path):
     prompt = "The capital of France is"
-    code, out, _ = generate("--json", "--kv", "prealloc", "--log-tokens", "3", model_path, prompt, 5)
+    code, out, _ = generate("--json", "--kv", "prealloc", "--log-tokens=3", model_path, prompt, 5)
     assert code == 0
     run = json.loads(out)
     log, metrics = run["token_log"], run["metrics"]

@@ -290,7 +290,8 @@ def set_threads(threads: int | None) -> None:
 
 
 def console(stderr: bool = False):
-    """A rich console; rich itself honours NO_COLOR and drops styling when not writing to a terminal."""
+    """A rich console; rich itself honours NO_COLOR and drops styling when not writing to a terminal,
+    and into a pipe or file the lines it prints end without the spaces that pad them to the width."""
     from rich.console import Console
 
     class QuietOnBrokenPipe(Console):
@@ -298,7 +299,31 @@ def console(stderr: bool = False):
             self.quiet = True
             raise BrokenPipeError  # to run(), which exits 0 (rich's own handler exits 1)
 
+    stream = sys.stderr if stderr else sys.stdout
+    with suppress(AttributeError, ValueError, OSError):
+        if not stream.isatty():
+            return QuietOnBrokenPipe(file=_Unpadded(stderr), highlight=False)
     return QuietOnBrokenPipe(stderr=stderr, highlight=False)
+
+
+class _Unpadded:
+    """sys.stdout or sys.stderr (whichever it is when written to) without the spaces ending each line
+    of a write: what rich pads a table or a title with is noise in a file or a pipe."""
+
+    def __init__(self, stderr: bool):
+        self._stderr = stderr
+
+    @property
+    def _stream(self):
+        return sys.stderr if self._stderr else sys.stdout
+
+    def write(self, text: str) -> int:
+        *lines, last = text.split("\n")
+        self._stream.write("".join(line.rstrip(" ") + "\n" for line in lines) + last)
+        return len(text)
+
+    def __getattr__(self, name: str):  # flush, isatty, encoding, fileno: the stream's own
+        return getattr(self._stream, name)
 
 
 def progress_on(console) -> Callable[[str], AbstractContextManager] | None:

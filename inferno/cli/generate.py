@@ -18,9 +18,10 @@ from inferno.cli.common import (
     blame,
     check_activations,
     console,
-    default_model,
     looks_like_model,
+    model_file,
     progress_on,
+    quiet_option,
     require_stdout,
     run,
     script,
@@ -34,16 +35,19 @@ from inferno.kv.window import POSITIONS
 
 PROG = "model-generate"
 DEFAULT_NEW_TOKENS = 32
+LONG_PREFILL = 512  # prompt tokens past which a spinner shows the prefill going on
 
 
-def split_positionals(args: tuple[str, ...], prompt: str | None = None) -> tuple[Path | None, str, int]:
-    """[MODEL.gguf] PROMPT [MAX_NEW_TOKENS] (PROMPT absent when it comes from --prompt-file).
+def split_positionals(args: tuple[str, ...], prompt: str | None = None) -> tuple[str | None, str, int | None]:
+    """[MODEL.gguf] PROMPT [MAX_NEW_TOKENS] (PROMPT absent when it comes from --prompt-file); the count
+    is None when not given.
 
-    The first argument is the model when it looks like one or when every argument is present.
+    The first argument is the model when it looks like one (a .gguf, a GGUF file, a model name such as
+    smollm2) or when every argument is present.
     """
     args = list(args)
     full = 2 if prompt is not None else 3
-    model = Path(args.pop(0)) if args and (looks_like_model(args[0]) or len(args) == full) else None
+    model = args.pop(0) if args and (looks_like_model(args[0]) or len(args) == full) else None
     if prompt is None:
         if not args:
             raise click.UsageError("missing PROMPT")
@@ -51,7 +55,7 @@ def split_positionals(args: tuple[str, ...], prompt: str | None = None) -> tuple
     if len(args) > 1:
         raise click.UsageError(f"too many arguments: {' '.join(args)}")
     if not args:
-        return model, prompt, DEFAULT_NEW_TOKENS
+        return model, prompt, None
     try:
         return model, prompt, int(args[0])
     except ValueError:
@@ -102,25 +106,41 @@ def cache_options(window: int | None, sinks: int | None, positions: str | None) 
 
 
 def _optional_values(argv: list[str]) -> list[str]:
-    """Flags whose value may be left out get their default when the next word is not a value of theirs:
-    `--kv` alone means basic, `--log-tokens` alone means no alternatives."""
+    """Flags whose value may be left out, so that no prompt or count is taken for their value:
+
+    `--kv MODE` takes the next word only when it is a cache mode (or a near miss such as `pages`, refused
+    as one); else `--kv` alone means basic (`--kv "Once upon a time" 8` keeps the prompt). `--kv=MODE`
+    always works. `--log-tokens` alone logs no alternatives; `--log-tokens=K` the K likeliest: a bare
+    number after it is MAX_NEW_TOKENS (`model-generate PROMPT --log-tokens 4`)."""
     out = []
     for i, arg in enumerate(argv):
-        out.append(arg)
+        if arg == "--":  # the rest are positionals
+            return out + argv[i:]
         nxt = argv[i + 1] if i + 1 < len(argv) else None
-        if arg == "--kv" and (
-            nxt is None or nxt.startswith("-") or nxt.endswith(".gguf") or os.path.exists(nxt)
-        ):
-            out.append("basic")
-        if arg == "--log-tokens" and (nxt is None or not nxt.isdigit()):
-            out.append("0")
+        if arg == "--kv" and not (nxt in KINDS or _near_mode(nxt)):
+            arg = "--kv=basic"
+        if arg == "--log-tokens":
+            arg = "--log-tokens=0"
+        out.append(arg)
     return out
 
 
+def _near_mode(word: str | None) -> bool:
+    """A lowercase word one typo away from a cache mode (`pages`): a mistaken mode, not a prompt."""
+    import difflib
+
+    if word is None or not word.isalpha() or not word.islower() or os.path.exists(word):
+        return False
+    return bool(difflib.get_close_matches(word, KINDS, n=1, cutoff=0.8))
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("args", nargs=-1, metavar="[MODEL.gguf] PROMPT [MAX_NEW_TOKENS]")
+@click.argument("args", nargs=-1, metavar="[MODEL.gguf|smollm2|gemma3] PROMPT [MAX_NEW_TOKENS]")
+@click.option("--max-tokens", "-n", "max_tokens", type=int, default=None, metavar="N",
+              help=f"New tokens at most, as MAX_NEW_TOKENS  [default: {DEFAULT_NEW_TOKENS}]")
 @click.option("--kv", "kv", default=None, metavar="MODE",
-              help=f"KV cache: {' | '.join(KINDS)} (--kv alone: basic). Without it: no cache.")
+              help=f"KV cache: {' | '.join(KINDS)} (--kv alone, or followed by anything but a mode: "
+                   "basic; --kv=MODE always a mode). Without it: no cache.")
 @click.option("--kv-dtype", default=DEFAULT_DTYPE, show_default=True, metavar="TYPE",
               help=f"Element type of the cache rows: {' | '.join(DTYPES)}.")
 @click.option("--max-context", type=int, default=None,
@@ -157,8 +177,9 @@ def _optional_values(argv: list[str]) -> list[str]:
 @click.option("--activations", default="f32", show_default=True, metavar="f32|int8",
               help="How quantized weights take activations: f32 keeps the float reference's tokens; int8 "
                    "rounds them as llama.cpp does (faster batches; kv-bench --fidelity measures it).")
-@click.option("--log-tokens", "log_tokens", type=int, default=None, metavar="[K]",
-              help="Log every forward: token, its probability (and the K likeliest), ms, cache length.")
+@click.option("--log-tokens", "log_tokens", type=int, default=None, metavar="[=K]",
+              help="Log every forward: token, its probability (and with --log-tokens=K the K likeliest), "
+                   "ms, cache length. A bare number after --log-tokens is MAX_NEW_TOKENS.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text and tables.")
 @click.option("--save-cache", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="After the run, save the KV cache to FILE as a snapshot (without --kv: prealloc). FILE is "
@@ -166,10 +187,11 @@ def _optional_values(argv: list[str]) -> list[str]:
                    "run); Ctrl-C (exit 130) or SIGTERM (exit 143) leaves no file behind.")
 @click.option("--load-cache", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Start from a snapshot: only the prompt past its tokens is prefilled.")
+@quiet_option()
 @version_option()
-def command(args, kv, kv_dtype, max_context, block_size, num_samples, batch_file, max_batch, window, sinks,
-            window_positions, chat, system, stops, temperature, top_k, top_p, seed, ignore_eos, prompt_file,
-            threads, activations, log_tokens, as_json, save_cache, load_cache):
+def command(args, max_tokens, kv, kv_dtype, max_context, block_size, num_samples, batch_file, max_batch,
+            window, sinks, window_positions, chat, system, stops, temperature, top_k, top_p, seed, ignore_eos,
+            prompt_file, threads, activations, log_tokens, as_json, save_cache, load_cache, quiet):
     """Generate text with a GGUF model on the CPU and report per-forward timings.
 
     The generated text goes to stdout; the prompt, progress and metrics to stderr (--json: one
@@ -186,6 +208,9 @@ def command(args, kv, kv_dtype, max_context, block_size, num_samples, batch_file
     if batch_file:
         file_prompt = ""  # the prompts come from the file
     model_path, prompt, max_new = split_positionals(args, file_prompt)
+    if max_tokens is not None and max_new is not None and max_tokens != max_new:
+        raise InfernoError(f"-n/--max-tokens {max_tokens} and MAX_NEW_TOKENS {max_new} differ: give one")
+    max_new = next((n for n in (max_tokens, max_new) if n is not None), DEFAULT_NEW_TOKENS)
     prompt = utf8("the prompt", prompt)
     stops = [utf8("--stop", stop) for stop in stops]
     if "" in stops:
@@ -222,7 +247,7 @@ def command(args, kv, kv_dtype, max_context, block_size, num_samples, batch_file
     from inferno.sampling import Sampler
 
     sampler = Sampler(temperature, top_k, top_p, seed)
-    model_path = model_path or default_model()
+    model_path = model_file(model_path)
 
     from inferno.engine import Engine
     from inferno.metrics import Metrics
@@ -231,8 +256,9 @@ def command(args, kv, kv_dtype, max_context, block_size, num_samples, batch_file
     from inferno.snapshot import Snapshot
 
     err = console(stderr=True)
+    err.quiet = quiet  # --quiet: no progress, no metrics, no prompt echo on stderr
     imports_ms = (perf_counter() - inferno.IMPORTED_AT) * 1000
-    engine = Engine.load(model_path, progress=None if as_json else progress_on(err))
+    engine = Engine.load(model_path, progress=None if as_json or quiet else progress_on(err))
     engine.startup = replace(engine.startup, imports_ms=imports_ms)
     engine.model.set_activations(activations)
     check_bounds(engine, prompt, chat, system, max_new, num_samples, max_batch if batch_file else None,
@@ -245,9 +271,9 @@ def command(args, kv, kv_dtype, max_context, block_size, num_samples, batch_file
         options = window_options | ({"block_size": block_size} if block_size else {})
         cache = generate_many.Cache(kv, kv_dtype, options)
         if batch_file:
-            generate_many.run_batch(engine, batch_file, defaults, cache, max_batch, as_json)
+            generate_many.run_batch(engine, batch_file, defaults, cache, max_batch, as_json, quiet)
         else:
-            generate_many.run_samples(engine, prompt, num_samples, defaults, cache, as_json)
+            generate_many.run_samples(engine, prompt, num_samples, defaults, cache, as_json, quiet)
         return
     text = engine.prompt_text(prompt, chat, system)
     prompt_ids = engine.tokenizer.encode(text)
@@ -271,11 +297,19 @@ def command(args, kv, kv_dtype, max_context, block_size, num_samples, batch_file
     log = TokenLog(engine.tokenizer, cache, log_tokens) if log_tokens is not None else None
     quiet = as_json or log is not None  # with the log on stderr, the text comes after it
     generation = None
+    to_prefill = len(prompt_ids) - (cache.length if cache is not None else 0)
+    spinner = None
+    if not as_json and not err.quiet and to_prefill > LONG_PREFILL:
+        spinner = err.status(f"prefilling {to_prefill:,} prompt tokens")
+        spinner.start()
     t0 = perf_counter()
     try:
         steps = engine.start(prompt_ids, max_new, kv=kv, sampler=sampler, cache=cache, ignore_eos=ignore_eos,
                              stop=stops)
         for generation, piece in steps:
+            if spinner is not None:
+                spinner.stop()
+                spinner = None
             if log is not None:
                 entry = log.add(generation)
                 if not as_json:
@@ -285,6 +319,9 @@ def command(args, kv, kv_dtype, max_context, block_size, num_samples, batch_file
         generation = generation or Generation(-1, Request(prompt_ids, max_new), OutputText(engine.tokenizer),
                                               Metrics(len(prompt_ids), 0))
         generation.finish_reason = "interrupted"
+    finally:
+        if spinner is not None:
+            spinner.stop()
     show(generation.output.flush(), quiet)
     record = engine.record(generation, text, (perf_counter() - t0) * 1000, load_cache_ms)
     record.token_log = log.records if log is not None else None
@@ -303,7 +340,7 @@ def command(args, kv, kv_dtype, max_context, block_size, num_samples, batch_file
     if not as_json:
         from inferno.cli.display import metrics_panel
 
-        err.print(metrics_panel(record))
+        err.print(metrics_panel(record, err.width))
     if interrupted:
         sys.exit(EXIT_INTERRUPTED)
 

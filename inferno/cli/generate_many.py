@@ -13,7 +13,7 @@ from pathlib import Path
 from time import perf_counter
 
 from inferno.cli.common import console
-from inferno.cli.display import fmt_bytes
+from inferno.cli.display import counting, fmt_bytes
 from inferno.engine import Engine
 from inferno.errors import InfernoError
 from inferno.sampling import Sampler
@@ -143,8 +143,13 @@ class Run:
                 "activations": scheduler.model.activations}
 
 
-def run_all(scheduler: Scheduler, requests: list[Request]) -> Run:
-    """Every request through the scheduler, to the end."""
+def run_all(scheduler: Scheduler, requests: list[Request], err=None) -> Run:
+    """Every request through the scheduler, to the end (on the console `err`: requests finished of N)."""
+    with counting(err, len(requests), "requests finished") as advance:
+        return _run_all(scheduler, requests, advance)
+
+
+def _run_all(scheduler: Scheduler, requests: list[Request], advance) -> Run:
     ids = [scheduler.add(r) for r in requests]
     live: dict[int, Generation] = {i: scheduler.get(i) for i in ids}
     peak = start = steps = decode_steps = decode_tokens = 0
@@ -165,6 +170,7 @@ def run_all(scheduler: Scheduler, requests: list[Request]) -> Run:
         for event in events:
             if event.error is not None:
                 raise InfernoError(event.error)
+        advance(sum(event.finish_reason is not None for event in events))
     if scheduler.pool is not None:
         peak = scheduler.peak_blocks * scheduler.pool.block_nbytes
     generations = [scheduler.pop(i) for i in ids]
@@ -191,13 +197,16 @@ def scheduler_for(engine: Engine, cache: Cache, requests: list[Request], max_bat
     return engine.scheduler(cache.kv, cache.kv_dtype, max_batch, **cache.options)
 
 
-def run_samples(engine: Engine, prompt: str, n: int, defaults: Defaults, cache: Cache, as_json: bool) -> None:
+def run_samples(engine: Engine, prompt: str, n: int, defaults: Defaults, cache: Cache, as_json: bool,
+                quiet: bool = False) -> None:
     """N continuations of one prompt: sample i is seeded with seed + i, as `--seed (seed + i)` alone."""
     options = vars(defaults) | {"prompt": prompt}
     seeds = [None if defaults.seed is None else defaults.seed + i for i in range(n)]
     requests = [make_request(engine, options, seed) for seed in seeds]
     scheduler = scheduler_for(engine, cache, requests, n)
-    run = run_all(scheduler, requests)
+    out, err = console(), console(stderr=True)
+    err.quiet = quiet or as_json
+    run = run_all(scheduler, requests, err)
     prompt_ids = requests[0].prompt_ids
     geometry = engine.config.kv_geometry
     summary = run.to_json(scheduler) | {
@@ -212,7 +221,6 @@ def run_samples(engine: Engine, prompt: str, n: int, defaults: Defaults, cache: 
                   sys.stdout)
         print()
         return
-    out, err = console(), console(stderr=True)
     for i, g in enumerate(run.generations):
         seed = "" if seeds[i] is None else f", seed {seeds[i]}"
         err.print(f"── sample {i}{seed}: {len(g.output.token_ids)} tokens, {_rate(g.metrics.decode_tok_s)}",
@@ -232,13 +240,14 @@ def run_samples(engine: Engine, prompt: str, n: int, defaults: Defaults, cache: 
 
 
 def run_batch(engine: Engine, path: str, defaults: Defaults, cache: Cache, max_batch: int,
-              as_json: bool) -> None:
+              as_json: bool, quiet: bool = False) -> None:
     """Every prompt of the file, up to max_batch running at a time, shared prefixes reused."""
     entries = read_batch(path, defaults)
     requests = [make_request(engine, e, e["seed"]) for e in entries]
     scheduler = scheduler_for(engine, cache, requests, max_batch)
-    run = run_all(scheduler, requests)
     out, err = console(), console(stderr=True)
+    err.quiet = quiet or as_json
+    run = run_all(scheduler, requests, err)
     for i, (entry, g) in enumerate(zip(entries, run.generations, strict=True)):
         if as_json:
             print(json.dumps(completion(g) | {"index": i, "prompt": entry["prompt"]}))

@@ -24,10 +24,11 @@ from rich.text import Text
 from inferno.cli.common import (
     blame,
     console,
-    default_model,
     is_gguf_file,
     looks_like_model,
+    model_file,
     progress_on,
+    quiet_option,
     run,
     script,
     set_threads,
@@ -82,18 +83,18 @@ def inspect_model(
     return {"model": str(model_path)} | report
 
 
-def split_args(args: tuple[str, ...]) -> tuple[Path | None, str]:
-    """[MODEL.gguf] PROMPT."""
+def split_args(args: tuple[str, ...]) -> tuple[Path, str]:
+    """[MODEL.gguf|smollm2|gemma3] PROMPT (no model: the default one)."""
     if not args or (len(args) == 1 and looks_like_model(args[0])):
         raise click.UsageError("missing PROMPT (or a snapshot file to inspect)")
     if len(args) > 2:
         raise click.UsageError(f"too many arguments: {' '.join(args[2:])}")
-    model, prompt = (Path(args[0]), args[1]) if len(args) == 2 else (None, args[0])
-    return model, utf8("the prompt", prompt)
+    model, prompt = (args[0], args[1]) if len(args) == 2 else (None, args[0])
+    return model_file(model), utf8("the prompt", prompt)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("args", nargs=-1, metavar="[MODEL.gguf] PROMPT | SNAPSHOT")
+@click.argument("args", nargs=-1, metavar="[MODEL.gguf|smollm2|gemma3] PROMPT | SNAPSHOT")
 @click.option("--decode", "n_decode", type=int, default=0, metavar="N",
               help="Decode N greedy tokens after the prompt.")
 @click.option("--layer", type=int, default=None, metavar="L",
@@ -114,9 +115,12 @@ def split_args(args: tuple[str, ...]) -> tuple[Path | None, str]:
               help=f"Store the rows as {' | '.join(DTYPES)} and show what that loses per layer and KV head.")
 @click.option("--threads", type=int, default=None, help="Threads for the kernels (default: all cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None, metavar="FILE.svg|FILE.png",
+              help="Also draw K/V norms, --layer's attention and --kv paged's block map into FILE.")
+@quiet_option()
 @version_option()
 def command(args, n_decode, layer, max_context, kind, window, sinks, window_positions, block_size, samples,
-            kv_dtype, threads, as_json):
+            kv_dtype, threads, as_json, plot, quiet):
     """Show what a KV cache holds: geometry, fill, tokens, K/V norms, attention.
 
     \b
@@ -134,6 +138,10 @@ def command(args, n_decode, layer, max_context, kind, window, sinks, window_posi
         raise InfernoError(f"--block-size must be at least 1, got {block_size}")
     if samples is not None and samples < 1:
         raise InfernoError(f"--num-samples must be at least 1, got {samples}")
+    if plot is not None:
+        from inferno.plots import check_plot_file
+
+        check_plot_file(plot)
     set_threads(threads)
     element_type(kv_dtype)
     if len(args) == 1 and is_snapshot_file(args[0]):
@@ -142,12 +150,16 @@ def command(args, n_decode, layer, max_context, kind, window, sinks, window_posi
         report = {"snapshot": args[0]} | inspect_snapshot(Snapshot.load(args[0]))
     else:
         model_path, prompt = split_args(args)
-        status = None if as_json else console(stderr=True)
+        status = None if as_json or quiet else console(stderr=True)
         options = cache_options(window, sinks, window_positions)
         if block_size is not None:
             options["block_size"] = block_size
-        report = inspect_model(model_path or default_model(), prompt, n_decode, layer, max_context, status,
+        report = inspect_model(model_path, prompt, n_decode, layer, max_context, status,
                                kind, kv_dtype, samples or 1, **options)
+    if plot is not None:
+        from inferno.plots import plot_inspect
+
+        plot_inspect(report, plot)
     if as_json:
         click.echo(json.dumps(report))
     else:

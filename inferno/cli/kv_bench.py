@@ -14,8 +14,10 @@ from inferno.bench.kv_modes import DEFAULT_MODES, MODES, run_modes, summary_row
 from inferno.cli.common import (
     check_activations,
     console,
-    default_model,
+    model_file,
     progress_on,
+    quiet_console,
+    quiet_option,
     run,
     script,
     set_threads,
@@ -58,7 +60,8 @@ def text_tokens(engine, text_file: str | None, tokens: int) -> tuple[list[int], 
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("model", required=False, type=click.Path(dir_okay=True))
+@click.argument("model", required=False, type=click.Path(dir_okay=True),
+                metavar="[MODEL.gguf|smollm2|gemma3]")
 @click.option("--prompt", default="Once upon a time", show_default=True)
 @click.option("--depth", type=int, default=None, metavar="N",
               help="Instead of --prompt, an N-token prompt (the fidelity text, repeated): decode at depth N.")
@@ -74,8 +77,9 @@ def text_tokens(engine, text_file: str | None, tokens: int) -> tuple[list[int], 
               help="Text for --fidelity (default: the Python Language Reference's 'Execution model').")
 @click.option("--tokens", type=int, default=FIDELITY_TOKENS, show_default=True,
               help="Tokens of the text --fidelity runs.")
-@click.option("--window", type=int, default=32, show_default=True,
+@click.option("--average", type=int, default=32, show_default=True, metavar="N",
               help="Decode steps averaged for the first/last forward columns.")
+@click.option("--window", "old_window", default=None, hidden=True)  # now --average: refused with a hint
 @click.option("--batch-sweep", "sweep", default=None, metavar="B1,B2,...",
               help="Instead of the modes: for each B, B greedy sequences of the prompt decoded together in a "
                    "paged pool, its full blocks computed once (e.g. 1,2,4,8,16).")
@@ -92,9 +96,13 @@ def text_tokens(engine, text_file: str | None, tokens: int) -> tuple[list[int], 
               help="How quantized weights take activations (--fidelity: the rows besides the reference's).")
 @click.option("--threads", type=int, default=None)
 @click.option("--json", "as_json", is_flag=True)
+@click.option("--plot", type=click.Path(dir_okay=False), default=None, metavar="FILE.svg|FILE.png",
+              help="Also draw the results (matplotlib) into FILE: SVG or PNG by its extension.")
+@quiet_option()
 @version_option()
-def command(model, prompt, depth, new_tokens, modes, kv_dtypes, fidelity, text_file, tokens, window, sweep,
-            block_size, mixed, step_tokens, rounds, activations, threads, as_json):
+def command(model, prompt, depth, new_tokens, modes, kv_dtypes, fidelity, text_file, tokens, average,
+            old_window, sweep, block_size, mixed, step_tokens, rounds, activations, threads, as_json, plot,
+            quiet):
     """Show what a KV cache buys: per-forward time climbs without one and stays flat with one.
 
     \b
@@ -103,6 +111,15 @@ def command(model, prompt, depth, new_tokens, modes, kv_dtypes, fidelity, text_f
     Batching:  kv-bench --batch-sweep 1,2,4,8,16 --depth 128 -n 64
     Mixed:     kv-bench --mixed-load 7 --depth 2000 --step-tokens 64,off -n 64
     """
+    if old_window is not None:
+        raise InfernoError(f"kv-bench's --window is now --average {old_window} (decode steps averaged); "
+                           "--window is a window cache's size everywhere else")
+    if average < 1:
+        raise InfernoError(f"--average must be at least 1, got {average}")
+    if plot is not None:
+        from inferno.plots import check_plot_file
+
+        check_plot_file(plot)
     set_threads(threads)
     chosen = split_list(modes, MODES, "mode")
     dtypes = split_list(kv_dtypes, DTYPES, "element type")
@@ -126,10 +143,10 @@ def command(model, prompt, depth, new_tokens, modes, kv_dtypes, fidelity, text_f
     check_activations(activations)
     from inferno.engine import Engine
 
-    err = console(stderr=True)
-    engine = Engine.load(model or default_model(), progress=None if as_json else progress_on(err))
+    err = quiet_console(quiet, as_json)
+    engine = Engine.load(model_file(model), progress=progress_on(err))
     if fidelity:
-        return report_fidelity(engine, dtypes, text_file, tokens, activations, as_json)
+        return report_fidelity(engine, dtypes, text_file, tokens, activations, as_json, plot, err)
     engine.model.set_activations(activations)
     if depth is not None:
         ids, _ = text_tokens(engine, text_file, 2)
@@ -137,50 +154,109 @@ def command(model, prompt, depth, new_tokens, modes, kv_dtypes, fidelity, text_f
     else:
         prompt_ids = engine.tokenizer.encode(utf8("--prompt", prompt))
     if sizes:
-        return report_sweep(engine, prompt_ids, new_tokens, sizes, block_size, as_json)
+        return report_sweep(engine, prompt_ids, new_tokens, sizes, block_size, as_json, plot)
     if decoders:
         ids, _ = text_tokens(engine, text_file, 2)
         long_ids = (ids * ((depth or 2000) // len(ids) + 1))[: depth or 2000]
         short_ids = engine.tokenizer.encode(utf8("--prompt", prompt))
-        return report_mixed(engine, short_ids, long_ids, decoders, new_tokens, budgets, rounds, as_json)
-    results = run_modes(engine, prompt_ids, new_tokens, chosen, dtypes)
-    rows = {mode: summary_row(r["metrics"], window) for mode, r in results.items()}
+        return report_mixed(engine, short_ids, long_ids, decoders, new_tokens, budgets, rounds, as_json, plot)
+    results, kernels_ms = timed_modes(engine, prompt_ids, new_tokens, chosen, dtypes, err)
+    rows = {mode: summary_row(r["metrics"], average) | {"kernels_ms": kernels_ms[mode]}
+            for mode, r in results.items()}
     same = len({tuple(r["token_ids"]) for r in results.values()}) == 1
+    report = {"prompt_tokens": len(prompt_ids), "new_tokens": new_tokens, "identical_tokens": same,
+              "summary": rows, "runs": results}
+    if plot is not None:
+        from inferno.plots import plot_forwards
+
+        plot_forwards(report, plot)
     if as_json:
-        json.dump({"prompt_tokens": len(prompt_ids), "new_tokens": new_tokens, "identical_tokens": same,
-                   "summary": rows, "runs": results}, sys.stdout)
+        json.dump(report, sys.stdout)
         print()
         return
     from inferno.cli.display import bench_table, forward_chart
 
     out = console()
-    out.print(bench_table(rows, len(prompt_ids), new_tokens, window))
+    out.print(bench_table(rows, len(prompt_ids), new_tokens, average))
     if depth is None:
-        out.print(forward_chart({m: r["metrics"]["per_forward_ms"][1:] for m, r in results.items()}))
+        out.print(forward_chart({m: r["metrics"]["per_forward_ms"][1:] for m, r in results.items()},
+                                width=min(72, out.width - 14)))
     out.print("same tokens from every mode" if same else "[yellow]the modes generated different tokens[/]")
 
 
+def timed_modes(engine, prompt_ids: list[int], new_tokens: int, modes: tuple[str, ...],
+                dtypes: tuple[str, ...], err) -> tuple[dict, dict]:
+    """run_modes one mode and element type at a time (a spinner on `err` says which), and the
+    milliseconds each spent loading or compiling kernels on its first use (`startup.jit_ms`), which
+    its TTFT and decode figures leave out."""
+    from contextlib import nullcontext
+
+    from inferno.kv import KINDS
+
+    results, kernels_ms = {}, {}
+    for mode in modes:
+        for dtype in (dtypes[0],) if mode == "off" else [d for d in dtypes if d in KINDS[mode].dtypes]:
+            label = mode if mode == "off" or dtypes == (DEFAULT_DTYPE,) else f"{mode}/{dtype}"
+            before = engine.startup.jit_ms
+            with err.status(f"{label}: {new_tokens} tokens") if err is not None else nullcontext():
+                (run_,) = run_modes(engine, prompt_ids, new_tokens, (mode,), (dtype,)).values()
+            results[label] = run_
+            kernels_ms[label] = engine.startup.jit_ms - before
+    return results, kernels_ms
+
+
 def report_fidelity(engine, dtypes: tuple[str, ...], text_file: str | None, tokens: int, activations: str,
-                    as_json: bool) -> None:
+                    as_json: bool, plot: str | None = None, err=None) -> None:
+    from inferno.cli.display import Counted, counting
     from inferno.fidelity import measure
 
     ids, source = text_tokens(engine, text_file, tokens)
-    rows = measure(engine.model, ids, list(dtypes), activations=activations)
+    kernels_ms = warm_dtypes(engine, dtypes, activations)
+    runs = 1 + sum(d != DEFAULT_DTYPE or activations != "f32" for d in dtypes)  # measure's rows
+    with counting(err, runs * (len(ids) - 1), f"{runs} element types: decodes") as advance:
+        rows = measure(Counted(engine.model, "decode", advance), ids, list(dtypes), activations=activations)
+    report = {"text": source, "tokens": len(ids),
+              "rows": [r.to_json() | {"kernels_ms": kernels_ms.get(r.dtype, 0.0)} for r in rows]}
+    if plot is not None:
+        from inferno.plots import plot_fidelity
+
+        plot_fidelity(report, plot)
     if as_json:
-        json.dump({"text": source, "tokens": len(ids), "rows": [r.to_json() for r in rows]}, sys.stdout)
+        json.dump(report, sys.stdout)
         print()
         return
     from inferno.cli.display import fidelity_table
 
-    console().print(fidelity_table(rows, source, len(ids)))
+    console().print(fidelity_table(report["rows"], source, len(ids)))
+
+
+def warm_dtypes(engine, dtypes: tuple[str, ...], activations: str) -> dict[str, float]:
+    """Load (or compile) each element type's kernels before the timed run, so its decode ms is work:
+    the milliseconds each took (0 when loaded already)."""
+    spent = {}
+    before = engine.model.activations
+    try:
+        engine.model.set_activations(activations)
+        for dtype in dict.fromkeys(dtypes):
+            t = engine.startup.jit_ms
+            engine.make_cache("prealloc", 1, 1, dtype=dtype)
+            spent[dtype] = engine.startup.jit_ms - t
+    finally:
+        engine.model.set_activations(before)
+    return spent
 
 
 def report_sweep(engine, prompt_ids: list[int], new_tokens: int, sizes: list[int], block_size: int,
-                 as_json: bool) -> None:
+                 as_json: bool, plot: str | None = None) -> None:
     rows = batch_sweep(engine, prompt_ids, new_tokens, sizes, block_size)
+    report = {"prompt_tokens": len(prompt_ids), "new_tokens": new_tokens, "block_size": block_size,
+              "activations": engine.model.activations, "sweep": rows}
+    if plot is not None:
+        from inferno.plots import plot_sweep
+
+        plot_sweep(report, plot)
     if as_json:
-        json.dump({"prompt_tokens": len(prompt_ids), "new_tokens": new_tokens, "block_size": block_size,
-                   "activations": engine.model.activations, "sweep": rows}, sys.stdout)
+        json.dump(report, sys.stdout)
         print()
         return
     from inferno.cli.display import sweep_table
@@ -193,28 +269,33 @@ def report_sweep(engine, prompt_ids: list[int], new_tokens: int, sizes: list[int
 
 
 def report_mixed(engine, short_ids: list[int], long_ids: list[int], decoders: int, new_tokens: int,
-                 budgets: list[int | None], rounds: int, as_json: bool) -> None:
+                 budgets: list[int | None], rounds: int, as_json: bool, plot: str | None = None) -> None:
     from inferno.bench.mixed_load import mixed_load
 
     rows = mixed_load(engine, short_ids, long_ids, decoders, new_tokens, budgets, rounds)
+    report = {"decoders": decoders, "prompt_tokens": len(long_ids), "new_tokens": new_tokens,
+              "rounds": rounds, "runs": rows}
+    if plot is not None:
+        from inferno.plots import plot_mixed
+
+        plot_mixed(report, plot)
     if as_json:
-        json.dump({"decoders": decoders, "prompt_tokens": len(long_ids), "new_tokens": new_tokens,
-                   "rounds": rounds, "runs": rows}, sys.stdout)
+        json.dump(report, sys.stdout)
         print()
         return
-    from rich.table import Table
+    from inferno.cli.display import compact_table, titled
 
-    table = Table(title=f"{decoders} sequences decoding while a {len(long_ids)}-token prompt arrives "
-                        f"(median of {rounds} rounds)")
-    for name in ("step tokens", "ITL median ms", "ITL p99 ms", "p99 / median", "ITL max ms",
-                 "long prompt TTFT ms", "decode tok/s"):
-        table.add_column(name, justify="right")
+    table = compact_table()
+    for name in ("step\ntokens", "ITL\nmedian ms", "ITL\np99 ms", "p99 /\nmedian", "ITL\nmax ms",
+                 "long prompt\nTTFT ms", "decode\ntok/s"):
+        table.add_column(name, justify="right", no_wrap=True)
     for r in rows:
         budget = "off" if r["step_tokens"] is None else str(r["step_tokens"])
         table.add_row(budget, f"{r['itl_median_ms']:.1f}", f"{r['itl_p99_ms']:.1f}",
                       f"{r['p99_over_median']:.2f}", f"{r['itl_max_ms']:.1f}",
                       f"{r['long_prompt_ttft_ms']:.0f}", f"{r['decode_tok_s']:.1f}")
-    console().print(table)
+    console().print(titled(f"{decoders} sequences decoding while a {len(long_ids)}-token prompt arrives "
+                           f"(median of {rounds} rounds)", table))
 
 
 def main() -> None:

@@ -10,7 +10,18 @@ from time import perf_counter
 
 import click
 
-from inferno.cli.common import blame, console, default_model, progress_on, run, script, set_threads
+from inferno.cli.common import (
+    blame,
+    console,
+    model_file,
+    progress_on,
+    quiet_console,
+    quiet_option,
+    run,
+    script,
+    set_threads,
+    version_option,
+)
 from inferno.errors import InfernoError
 from inferno.kv import DEFAULT_KIND
 from inferno.kv.window import DEFAULT_SINKS, POSITIONS
@@ -19,14 +30,17 @@ PROG = "kv-perplexity"
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("model", required=False, type=click.Path(dir_okay=False))
+@click.argument("model", required=False, type=click.Path(dir_okay=False),
+                metavar="[MODEL.gguf|smollm2|gemma3]")
 @click.option("--text", "text_file", required=True, type=click.Path(dir_okay=False), metavar="FILE",
               help="The text to score (UTF-8).")
 @click.option("--window", type=int, required=True, metavar="W", help="Positions each layer's window holds.")
 @click.option("--sinks", type=int, default=DEFAULT_SINKS, show_default=True, help="First positions kept.")
 @click.option("--threads", type=int, default=None, help="Threads for the kernels (default: all cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-def command(model, text_file, window, sinks, threads, as_json):
+@quiet_option()
+@version_option()
+def command(model, text_file, window, sinks, threads, as_json, quiet):
     """Perplexity of a text teacher-forced through the full cache (prealloc) and a window cache with
     each way of handling positions: what the window costs in quality, and the memory it saves."""
     set_threads(threads)
@@ -34,24 +48,22 @@ def command(model, text_file, window, sinks, threads, as_json):
         text = Path(text_file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise InfernoError(f"cannot read --text {text_file}: {exc}") from None
+    from inferno.cli.display import Counted, counting
     from inferno.engine import Engine
-    from inferno.perplexity import perplexity, token_nll
+    from inferno.perplexity import PREFILL_CHUNK
 
-    engine = Engine.load(model or default_model(), progress=None if as_json else progress_on(console(True)))
+    err = quiet_console(quiet, as_json)
+    engine = Engine.load(model_file(model), progress=progress_on(err))
     ids = engine.tokenizer.encode(text)
     if len(ids) < 2:
         raise InfernoError(f"--text {text_file} has {len(ids)} token(s): nothing to score")
     runs = [(DEFAULT_KIND, {})] if len(ids) <= engine.config.context_length else []
     runs += [("window", {"window": window, "sinks": sinks, "positions": p}) for p in POSITIONS]
     rows = []
-    for kind, options in runs:
-        with blame("--window", window):
-            cache = engine.make_cache(kind, len(ids), 0, **options)
-        t = perf_counter()
-        nll = token_nll(engine.model, ids, cache)
-        rows.append({"cache": kind, **options, "perplexity": perplexity(nll), "mean_nll": float(nll.mean()),
-                     "cache_bytes": cache.nbytes, "evicted_tokens": cache.evicted_tokens,
-                     "seconds": perf_counter() - t})
+    chunks = -(-(len(ids) - 1) // PREFILL_CHUNK)  # of PREFILL_CHUNK tokens, per run
+    with counting(err, chunks * len(runs), f"{len(runs)} caches: chunks") as advance:
+        for kind, options in runs:
+            rows.append(score(engine, ids, kind, options, window, Counted(engine.model, "prefill", advance)))
     full = rows[0]["perplexity"] if rows[0]["cache"] == DEFAULT_KIND else None
     for row in rows:
         row["vs_full"] = row["perplexity"] / full if full else None
@@ -72,6 +84,19 @@ def command(model, text_file, window, sinks, threads, as_json):
                       f"{row['vs_full']:.4f}x" if row["vs_full"] else "n/a",
                       fmt_bytes(row["cache_bytes"]), f"{row['evicted_tokens']:,}")
     console().print(table)
+
+
+def score(engine, ids: list[int], kind: str, options: dict, window: int, model) -> dict:
+    """The text teacher-forced through a cache of `kind`: its perplexity and what the cache held."""
+    from inferno.perplexity import perplexity, token_nll
+
+    with blame("--window", window):
+        cache = engine.make_cache(kind, len(ids), 0, **options)
+    t = perf_counter()
+    nll = token_nll(model, ids, cache)
+    return {"cache": kind, **options, "perplexity": perplexity(nll), "mean_nll": float(nll.mean()),
+            "cache_bytes": cache.nbytes, "evicted_tokens": cache.evicted_tokens,
+            "seconds": perf_counter() - t}
 
 
 def main() -> None:
