@@ -45,7 +45,14 @@ def parse_gpus(text: str) -> tuple[int, int]:
     count = int(match.group(1)) if match.group(1) else 1
     if count < 1:
         raise InfernoError(f"--gpus {text!r} asks for {count} GPUs")
-    return count, parse_size(match.group(2))
+    return count, parse_size(_with_unit("--gpus", text, match.group(2)))
+
+
+def _with_unit(flag: str, text: str, size: str) -> str:
+    """A GPU's memory with its unit: `80` alone (80 bytes) is surely a mistake for 80GiB or 80GB."""
+    if size.strip().replace("_", "").isdigit():
+        raise InfernoError(f"{flag} {text!r} has no unit: write e.g. {size.strip()}GiB or {size.strip()}GB")
+    return size
 
 
 def devices(
@@ -63,7 +70,7 @@ def devices(
     if gpus is not None:
         count, memory = parse_gpus(gpus)
     elif gpu_memory is not None:
-        count, memory = None, parse_size(gpu_memory)
+        count, memory = None, parse_size(_with_unit("--gpu-memory", gpu_memory, gpu_memory))
     else:
         raise InfernoError("a deployment needs --gpus (e.g. 4x80GiB) or --gpu-memory")
     if not 0 < utilization <= 1:

@@ -14,7 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from inferno.errors import InfernoError
-from inferno.memcalc import ARCH_SWA_PERIOD, ModelInfo, pattern_layers
+from inferno.memcalc import ARCH_SWA_PERIOD, MAX_LAYERS, ModelInfo, pattern_layers
+
+MAX_CONFIG_BYTES = 16 * 2**20  # a config.json is a few KiB
+MAX_COUNT = 2**53  # past any real count, and where JSON numbers stop being exact
 
 # Bits per weight of each `torch_dtype` a config names.
 TORCH_DTYPE_BITS = {"float32": 32, "float16": 16, "bfloat16": 16, "float8_e4m3fn": 8}
@@ -68,8 +71,14 @@ def read_hf_config(path: str | Path) -> HFModel:
     path = Path(path)
     if path.is_dir():
         raise InfernoError(f"{path} is a directory: pass its config.json")
+    if path.exists() and not path.is_file():
+        raise InfernoError(f"{path} is not a regular file (a FIFO or device): pass a config.json")
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise InfernoError(f"{path.name} is more than {MAX_CONFIG_BYTES // 2**20} MiB: not a config")
+        text = data.decode("utf-8")
     except FileNotFoundError:
         raise InfernoError(f"no such file: {path}") from None
     except (OSError, UnicodeDecodeError) as err:
@@ -78,6 +87,10 @@ def read_hf_config(path: str | Path) -> HFModel:
         config = json.loads(text)
     except json.JSONDecodeError as err:
         raise InfernoError(f"{path.name} is not valid JSON: {err.msg} at line {err.lineno}") from None
+    except RecursionError:
+        raise InfernoError(f"{path.name} nests arrays or objects too deeply to be a model config") from None
+    except ValueError as err:  # a number past Python's 4,300-digit int conversion limit
+        raise InfernoError(f"{path.name} holds a number too long to read: {str(err).split(':')[0]}") from None
     if not isinstance(config, dict):
         raise InfernoError(f"{path.name} is not a JSON object, so not a model config")
     return hf_model(config, path.name)
@@ -87,8 +100,17 @@ def hf_model(config: dict[str, Any], name: str = "config.json") -> HFModel:
     # Multimodal configs (Gemma 3, Llama 4, ...) keep the language model under text_config.
     text = config.get("text_config")
     c = Config({**config, **text} if isinstance(text, dict) else config, name)
+    model_type = c.values.get("model_type", "unknown")
+    if not isinstance(model_type, str):
+        raise InfernoError(f"{name}: model_type must be a string, got {type(model_type).__name__}")
+    try:
+        model_type.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InfernoError(f"{name}: model_type is not valid text (it holds a lone surrogate)") from None
 
     layers = c.positive("num_hidden_layers")
+    if layers > MAX_LAYERS:
+        raise InfernoError(f"{name}: num_hidden_layers must be at most {MAX_LAYERS:,}, got {layers:,}")
     heads = c.positive("num_attention_heads")
     hidden = c.optional("hidden_size")
     mla = c.optional("kv_lora_rank") is not None
@@ -132,7 +154,9 @@ class Config:
     def optional(self, key: str) -> Any:
         value = self.values.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise InfernoError(f"{self.name}: {key} must be a whole number, got {value!r}")
+            raise InfernoError(f"{self.name}: {key} must be a whole number, got {_shown(value)}")
+        if value is not None and value > MAX_COUNT:
+            raise InfernoError(f"{self.name}: {key} is too large ({len(str(value))} digits)")
         return value
 
     def positive(self, key: str) -> int:
@@ -146,7 +170,9 @@ class Config:
     def per_layer(self, key: str, layers: int, default: int) -> int | tuple[int, ...]:
         value = self.values.get(key)
         if isinstance(value, list):
-            if len(value) != layers or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+            bad = [v for v in value
+                   if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_COUNT]
+            if len(value) != layers or bad:
                 raise InfernoError(f"{self.name}: {key} must be one integer or one per layer ({layers})")
             return tuple(value)
         return default if value is None else self.positive(key)
@@ -184,9 +210,17 @@ def _weight_bits(config: dict[str, Any], name: str) -> int | None:
     dtype = config.get("torch_dtype") or config.get("dtype")
     if dtype is None:
         return None
-    if dtype not in TORCH_DTYPE_BITS:
-        raise InfernoError(f"{name}: torch_dtype {dtype!r} is not one of {', '.join(TORCH_DTYPE_BITS)}")
+    if not isinstance(dtype, str) or dtype not in TORCH_DTYPE_BITS:
+        raise InfernoError(f"{name}: torch_dtype {_shown(dtype)} is not one of {', '.join(TORCH_DTYPE_BITS)}")
     return TORCH_DTYPE_BITS[dtype]
+
+
+def _shown(value: Any) -> str:
+    """A config value in a message: short, and printable even when it holds a lone surrogate."""
+    if isinstance(value, int) and value.bit_length() >= 1000:
+        return f"<a {value.bit_length():,}-bit number>"
+    text = ascii(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _params(

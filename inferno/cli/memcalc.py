@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -254,6 +255,11 @@ def command(
     report = build_report(shape, kv_type, context_list, batch, budget_bytes, show_mha)
     if kv_kind is not None or kv_dtype is not None:
         runtime_bytes(report, model_path, kv_kind or "prealloc", kv_dtype or "f32", sliding_window)
+    length = model.context_length if model is not None else None
+    if length and report.get("max_context") is not None and report["max_context"] > length:
+        # the budget would hold more, but the model cannot attend past its own context
+        report["max_context_budget"] = report["max_context"]
+        report["max_context"] = length
     if model is not None:
         report["model"] = {
             "file": Path(model_path or config_path).name,
@@ -264,7 +270,8 @@ def command(
         reserve = parse_size(overhead) if overhead is not None else 0
         dev = devices(gpus, gpu_memory, tp, pp, utilization, reserve, block_size)
         weights = deployment_weights(weights, hf, weight_dtype, weights_size, shape.layers)
-        report["deployment"] = build_deployment(shape, kv_type, weights, dev, max(context_list), model_path)
+        report["deployment"] = build_deployment(shape, kv_type, weights, dev, max(context_list), model_path,
+                                                length)
     chose_layers = sliding_layers is not None or sliding_pattern is not None
     if model is not None and model.window and model.sliding is None and not chose_layers:
         click.echo(
@@ -308,9 +315,22 @@ def deployment_weights(
 
 
 def build_deployment(
-    shape: KVShape, dtype: DType, weights: Weights, dev: Devices, context: int, gguf: str | None
+    shape: KVShape, dtype: DType, weights: Weights, dev: Devices, context: int, gguf: str | None,
+    model_context: int | None = None,
 ) -> dict[str, Any]:
     stages = plan_stages(shape, dtype, weights, dev, context)
+    usable = int(dev.memory * dev.utilization)
+    for stage in stages:
+        if stage.weight_bytes + dev.overhead >= usable:
+            reserve = f" + {human(dev.overhead)} --overhead" if dev.overhead else ""
+            raise InfernoError(
+                f"does not fit: {human(stage.weight_bytes)} of weights per GPU{reserve} leave no room for a "
+                f"cache in the {human(usable)} usable of each {human(dev.memory)} GPU (utilization "
+                f"{dev.utilization:g}): use more GPUs, a smaller --weight-dtype or a larger --gpus size"
+            )
+    if model_context:
+        stages = [replace(s, max_context=min(s.max_context, model_context)) if s.max_context else s
+                  for s in stages]  # fmt: skip
     worst = limiting(stages)
 
     def stage_report(stage: Any) -> dict[str, Any]:
@@ -474,9 +494,8 @@ def print_report(r: dict[str, Any]) -> None:
             fits = "any (only sliding layers hold a cache)"
         else:
             fits = f"{longest:,} tokens"
-            length = r.get("model", {}).get("context_length")
-            if length and longest > length:
-                fits += f" (past the model's {length:,})"
+            if "max_context_budget" in r:
+                fits += f" (the model's limit; the budget: {r['max_context_budget']:,})"
         out.print(Text(f"  longest context at batch {r['batch']}: {fits}"))
         context = max(row["context"] for row in r["rows"])
         batch = r["max_batch"]
