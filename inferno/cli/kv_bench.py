@@ -59,6 +59,31 @@ def text_tokens(engine, text_file: str | None, tokens: int) -> tuple[list[int], 
     return ids[:tokens], source
 
 
+MAX_NEW_TOKENS = 2**24
+MAX_SEQUENCES = 4096
+
+
+def check_bounds(engine, depth: int | None, new_tokens: int, tokens: int | None, block_size: int | None,
+                 batches: list[int]) -> None:
+    """Flags against what the model's context and the machine's memory hold, before any work."""
+    from inferno.cli.common import check_memory
+
+    context = engine.config.context_length
+    for flag, value in (("--depth", depth), ("--tokens", tokens), ("--block-size", block_size)):
+        if value is not None and value > context:
+            raise InfernoError(f"{flag} {value:,} is more than the model's context of {context:,} tokens")
+    if new_tokens > MAX_NEW_TOKENS:
+        raise InfernoError(f"--new-tokens {new_tokens:,} is more than the {MAX_NEW_TOKENS:,} a run can take")
+    if batches:
+        largest = max(batches)
+        if largest > MAX_SEQUENCES:
+            raise InfernoError(f"a batch of {largest:,} is more than the {MAX_SEQUENCES:,} sequences a run "
+                               "decodes together")
+        per_token = engine.config.kv_geometry.nbytes(1, 4)
+        held = min((depth or 2000) + new_tokens, context) + (block_size or 16)
+        check_memory(f"{largest:,} sequences of {held:,} tokens", largest * held * per_token)
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("model", required=False, type=click.Path(dir_okay=True),
                 metavar="[MODEL.gguf|smollm2|gemma3]")
@@ -145,6 +170,8 @@ def command(model, prompt, depth, new_tokens, modes, kv_dtypes, fidelity, text_f
 
     err = quiet_console(quiet, as_json)
     engine = Engine.load(model_file(model), progress=progress_on(err))
+    check_bounds(engine, depth, new_tokens, tokens if fidelity else None, block_size if sizes else None,
+                 [*(sizes or []), *([decoders] if decoders else [])])
     if fidelity:
         return report_fidelity(engine, dtypes, text_file, tokens, activations, as_json, plot, err)
     engine.model.set_activations(activations)
