@@ -144,8 +144,10 @@ class Snapshot:
             # O_EXCL: a name planted beside the file (a symlink, a FIFO) is never followed or opened
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
             created = True
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
+            try:
+                _write(fd, data)
+            finally:
+                os.close(fd)
             check_save_path(path)  # what is at the path now, just before it is replaced
             os.replace(tmp, path)
         except BaseException as exc:  # a full disk, a read-only directory, Ctrl-C, SIGTERM: no temp file left
@@ -263,6 +265,12 @@ class Snapshot:
             write(layer, 0, keys[layer, :n], values[layer, :n])
         cache.commit(n)
         return n
+
+
+def _write(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def check_save_path(path: str | os.PathLike) -> None:

@@ -170,22 +170,25 @@ def test_ctrl_c_with_json_prints_the_partial_object(gen, monkeypatch, after):
 
 
 def test_ctrl_c_during_save_cache_leaves_no_file(gen, monkeypatch, tmp_path):
-    def interrupted_write(self, data):
-        with open(self, "wb") as f:
-            f.write(data[: len(data) // 2])
+    from inferno import snapshot
+
+    def interrupted_write(fd, data):
+        os.write(fd, data[: len(data) // 2])
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(Path, "write_bytes", interrupted_write)
+    monkeypatch.setattr(snapshot, "_write", interrupted_write)
     code, _, err = gen("--save-cache", tmp_path / "c.safetensors", TINY, "Hello", 2)
     assert code == 130 and "interrupted" in err
     assert list(tmp_path.iterdir()) == []
 
 
 def test_save_cache_into_a_read_only_directory(gen, monkeypatch, tmp_path):
-    def read_only(self, data):
-        raise PermissionError(13, "Permission denied", str(self))
+    from inferno import snapshot
 
-    monkeypatch.setattr(Path, "write_bytes", read_only)
+    def read_only(fd, data):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(snapshot, "_write", read_only)
     assert_refused(gen("--save-cache", tmp_path / "c.safetensors", TINY, "Hello", 2), "model-generate",
                    "cannot save the KV cache", "Permission denied")
     assert list(tmp_path.iterdir()) == []
