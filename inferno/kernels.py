@@ -331,15 +331,25 @@ def attention_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_head
 def combine_spans(partial: np.ndarray, stats: np.ndarray, n_heads: int) -> np.ndarray:
     """The attention output from spans' unnormalised parts partial [spans, heads * head_dim] and their
     stats [spans, heads, (max score, sum of exp)]: each rescaled to the global maximum, summed, normalised."""
+    out = np.empty(partial.shape[1], np.float32)
+    combine_spans_into(partial, stats, n_heads, out)
+    return out
+
+
+@njit(cache=True, fastmath=True)
+def combine_spans_into(partial: np.ndarray, stats: np.ndarray, n_heads: int, out: np.ndarray) -> None:
+    """combine_spans written into out [heads * head_dim] (a row of a batch's output: no array of its own
+    to allocate and copy)."""
     n_spans, width = partial.shape
     head_dim = width // n_heads
-    out = np.zeros(width, np.float32)
     for h in range(n_heads):
         top = stats[0, h, 0]
         for c in range(1, n_spans):
             top = max(top, stats[c, h, 0])
         total = np.float32(0.0)
         oh = out[h * head_dim : (h + 1) * head_dim]
+        for j in range(head_dim):
+            oh[j] = 0.0
         for c in range(n_spans):
             rescale = np.float32(exp_f32(stats[c, h, 0] - top))
             total += rescale * stats[c, h, 1]
@@ -349,7 +359,6 @@ def combine_spans(partial: np.ndarray, stats: np.ndarray, n_heads: int) -> np.nd
         inv = np.float32(1.0) / total
         for j in range(head_dim):
             oh[j] *= inv
-    return out
 
 
 @njit(cache=True, fastmath=True, error_model="numpy")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import prange, types
@@ -25,7 +26,7 @@ from numba.extending import intrinsic, overload
 
 from inferno import kernels
 from inferno.jit import njit
-from inferno.kernels import combine_spans, mix_values, prefetch_ahead, score_span, softmax_span
+from inferno.kernels import combine_spans_into, mix_values, prefetch_ahead, score_span, softmax_span
 from inferno.kv.vectors import KIND_F16, KIND_Q4, KIND_Q8, block_axpys, block_dots
 
 FMT_F32, FMT_F16, FMT_Q8_0, FMT_Q4_0, FMT_Q4_64 = -1, 0, 1, 2, 3  # FMT_F32: float32 rows as computed
@@ -285,6 +286,72 @@ def _each_run(q: np.ndarray, rows: np.ndarray, table: np.ndarray, block_size: in
         col += n
 
 
+@njit(cache=True, fastmath=True)
+def span_of_tables(query: np.ndarray, keys: np.ndarray, values: np.ndarray, table: np.ndarray,
+                   block_size: int, p0: int, p1: int, fmt: int, n_heads: int, out: np.ndarray,
+                   stats: np.ndarray) -> None:
+    """One query over positions p0 .. p1 - 1 of its sequence (one span), softmax left unnormalised
+    (flash-decoding): for each head h, out[h] = sum_s exp(score_s - m) * v_s and stats[h] = (m, sum_s
+    exp(score_s - m)), m the span's largest score, so spans combine exactly (combine_spans)."""
+    weights = np.empty((n_heads, p1 - p0), np.float32)
+    _each_run(query, keys, table, block_size, p0, p1, fmt, n_heads, weights, out, False)
+    softmax_span(weights, p1 - p0, stats)
+    for j in range(out.shape[0]):
+        out[j] = 0.0
+    _each_run(query, values, table, block_size, p0, p1, fmt, n_heads, weights, out, True)
+
+
+@njit(cache=True, fastmath=True)
+def _queries(q: np.ndarray, fmt: int, rotate: bool, head_dim: int) -> np.ndarray:
+    """The queries as the rows' scores take them: float32 rows scale their scores, stored rows take the
+    query scaled (and rotated like them)."""
+    query = q.copy()
+    if fmt != FMT_F32:
+        if rotate:
+            hadamard_rows(query, head_dim)
+        scale = np.float32(1.0 / math.sqrt(head_dim))
+        for b in range(query.shape[0]):
+            for j in range(query.shape[1]):
+                query[b, j] *= scale
+    return query
+
+
+@njit(cache=True)
+def _first_spans(ranges: np.ndarray) -> np.ndarray:
+    """first[b] .. first[b + 1] - 1: the spans of sequence b (ranges [B, (start, end, span)])."""
+    first = np.empty(ranges.shape[0] + 1, np.int64)
+    first[0] = 0
+    for b in range(ranges.shape[0]):
+        first[b + 1] = first[b] + (ranges[b, 1] - ranges[b, 0] + ranges[b, 2] - 1) // ranges[b, 2]
+    return first
+
+
+@njit(cache=True)
+def _owner(first: np.ndarray, t: int) -> int:
+    """The sequence whose spans hold span t: the last b with first[b] <= t (and a span of its own)."""
+    lo, hi = 0, first.shape[0] - 2
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if first[mid] <= t:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@njit(cache=True, fastmath=True)
+def _combine(partial: np.ndarray, stats: np.ndarray, first: np.ndarray, n_heads: int, fmt: int,
+             rotate: bool) -> np.ndarray:
+    """Each sequence's spans combined (combine_spans), its heads rotated back when the rows are."""
+    n_seq, width = first.shape[0] - 1, partial.shape[1]
+    out = np.empty((n_seq, width), np.float32)
+    for b in range(n_seq):
+        combine_spans_into(partial[first[b] : first[b + 1]], stats[first[b] : first[b + 1]], n_heads, out[b])
+    if fmt != FMT_F32 and rotate:
+        hadamard_rows(out, width // n_heads)
+    return out
+
+
 @njit(cache=True, fastmath=True, parallel=True)
 def attend_tables(q: np.ndarray, keys: np.ndarray, values: np.ndarray, tables: np.ndarray, ranges: np.ndarray,
                   block_size: int, n_heads: int, fmt: int, rotate: bool) -> np.ndarray:
@@ -296,51 +363,53 @@ def attend_tables(q: np.ndarray, keys: np.ndarray, values: np.ndarray, tables: n
     positions b attends, start .. end - 1, and its span (kernels.decode_span, read by the caller at
     each call: a thread count compiled into a cached kernel goes stale).
 
-    Every sequence's positions are cut into spans; all spans of all sequences run in parallel, each
-    scoring its rows a run (the rows of one block) at a time, its unnormalised softmax (softmax_span)
-    mixing the values; then each sequence's spans are rescaled to its largest score and summed
+    Every sequence's positions are cut into spans; all spans of all sequences run in parallel
+    (span_of_tables: its rows scored a run, the rows of one block, at a time, its unnormalised softmax
+    mixing the values); then each sequence's spans are rescaled to its largest score and summed
     (combine_spans). With `rotate` the rows hold Hadamard-rotated heads (see the module).
+
+    The prange is this function's only parallel loop: everything else is in plain kernels it calls,
+    where Numba makes no array expression a parallel loop of its own (each such loop costs a launch
+    of the thread pool, about a microsecond, even on one thread).
     """
-    n_seq, width = q.shape
-    head_dim = width // n_heads
-    query = q.copy()
-    if fmt != FMT_F32:  # stored rows take the query rotated like them and scaled (float rows scale scores)
-        if rotate:
-            hadamard_rows(query, head_dim)
-        query *= np.float32(1.0 / math.sqrt(head_dim))
-    first = np.zeros(n_seq + 1, np.int64)  # sequence b's spans are first[b] .. first[b + 1] - 1
-    for b in range(n_seq):
-        first[b + 1] = first[b] + (ranges[b, 1] - ranges[b, 0] + ranges[b, 2] - 1) // ranges[b, 2]
-    owner = np.empty(first[n_seq], np.int64)
-    for b in range(n_seq):
-        owner[first[b] : first[b + 1]] = b
-    partial = np.zeros((first[n_seq], width), np.float32)
-    stats = np.empty((first[n_seq], n_heads, 2), np.float32)
-    for t in prange(first[n_seq]):
-        b = owner[t]
+    width = q.shape[1]
+    query = _queries(q, fmt, rotate, width // n_heads)
+    first = _first_spans(ranges)
+    n_spans = first[-1]
+    partial = np.empty((n_spans, width), np.float32)
+    stats = np.empty((n_spans, n_heads, 2), np.float32)
+    for t in prange(n_spans):
+        b = _owner(first, t)
         p0 = ranges[b, 0] + (t - first[b]) * ranges[b, 2]
         p1 = min(p0 + ranges[b, 2], ranges[b, 1])
-        weights = np.empty((n_heads, p1 - p0), np.float32)
-        _each_run(query[b], keys, tables[b], block_size, p0, p1, fmt, n_heads, weights, partial[t], False)
-        softmax_span(weights, p1 - p0, stats[t])
-        _each_run(query[b], values, tables[b], block_size, p0, p1, fmt, n_heads, weights, partial[t], True)
-    out = np.empty((n_seq, width), np.float32)
-    for b in range(n_seq):
-        out[b] = combine_spans(partial[first[b] : first[b + 1]], stats[first[b] : first[b + 1]], n_heads)
-    if fmt != FMT_F32 and rotate:
-        hadamard_rows(out, head_dim)
-    return out
+        span_of_tables(query[b], keys, values, tables[b], block_size, p0, p1, fmt, n_heads, partial[t],
+                       stats[t])
+    return _combine(partial, stats, first, n_heads, fmt, rotate)
 
 
 ONE_BLOCK = np.zeros((1, 1), np.int32)  # the table of rows stored in order: one block holding them all
+_RANGES: dict[tuple[int, int, int], np.ndarray] = {}
+
+
+def one_range(start: int, end: int) -> np.ndarray:
+    """ranges [[start, end, span]] of one query over positions start .. end - 1, its span from
+    kernels.decode_span (outside the kernel, for the thread count of this process), kept per (start,
+    end, threads): every layer of a decode step asks for the same one, and building it (decode_span and
+    a small array) cost a microsecond and a half a call, against 6 of the whole call at depth 16."""
+    key = (start, end, numba.config.NUMBA_NUM_THREADS)
+    ranges = _RANGES.get(key)
+    if ranges is None:
+        if len(_RANGES) >= 256:
+            _RANGES.clear()
+        ranges = _RANGES[key] = np.array([[start, end, kernels.decode_span(end - start)]], np.int64)
+    return ranges
 
 
 def attend_rows(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, end: int, n_heads: int,
-                fmt: int = -1, rotate: bool = False) -> np.ndarray:
+                fmt: int = FMT_F32, rotate: bool = False) -> np.ndarray:
     """attend_tables for one query q [n_heads * head_dim] over rows start .. end - 1 of keys, values
-    [S, row] stored in order (prealloc's layer, or float rows anywhere)."""
-    ranges = np.array([[start, end, kernels.decode_span(end - start)]], np.int64)
-    return attend_tables(q.reshape(1, -1), keys, values, ONE_BLOCK, ranges, max(keys.shape[0], 1), n_heads,
+    [S, row] stored in order (prealloc's layer, or float rows anywhere): one block of S rows."""
+    return attend_tables(q[None], keys, values, ONE_BLOCK, one_range(start, end), keys.shape[0] or 1, n_heads,
                          fmt, rotate)[0]
 
 
