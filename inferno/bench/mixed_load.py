@@ -34,8 +34,9 @@ def run_mixed(engine: Engine, short_ids: list[int], long_ids: list[int], decoder
             if event.token is not None and event.request_id in times:
                 times[event.request_id].append(perf_counter())
         steps += 1
+    # every gap that ends after the long prompt arrived: the one spanning its first step included
     gaps = np.array([b - a for i in ids for a, b in zip(times[i], times[i][1:], strict=False)
-                     if a >= arrived])
+                     if b > arrived])
     long_run = scheduler.get(long_id).metrics
     gaps_ms = gaps * 1000
     median, p99 = float(np.median(gaps_ms)), float(np.percentile(gaps_ms, 99))
