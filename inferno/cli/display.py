@@ -55,7 +55,8 @@ def titled(title: str, table: Table) -> Group:
 
 def compact_table() -> Table:
     """A table with a rule under its header and no other lines: 80 columns hold eight figures."""
-    return Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), header_style="bold")
+    return Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 0, 0, 1),
+                 header_style="bold")
 
 
 def column(table: Table, header: str, justify: str = "right") -> None:
@@ -101,7 +102,7 @@ def metrics_panel(run: RunRecord, width: int = 80) -> Table:
         rows += [
             ("per forward", f"min {min(forwards):.2f}  max {max(forwards):.2f}  "
                             f"mean {sum(forwards) / len(forwards):.2f} ms over {len(forwards)}"),
-            ("decode forwards", sparkline(forwards[1:], max(8, min(64, width - 22))) or "none"),
+            ("decode forwards", sparkline(forwards[1:], max(8, min(64, width - 28))) or "none"),
             ("every forward (ms)", " ".join(f"{f:.1f}" for f in forwards)),
         ]
     s = run.startup
@@ -185,7 +186,7 @@ def forward_chart(series: dict[str, Sequence[float]], height: int = 12, width: i
         f"[{SERIES_STYLES[k][1]}]{SERIES_STYLES[k][0]}[/] {k}" for k in series if k in SERIES_STYLES
     )
     margin = " " * 12
-    lines += [" " * 11 + "└" + "─" * width, f"{margin}decode step 1 … {steps}", margin + legend]
+    lines += [" " * 11 + "└" + "─" * width, f"{margin}decode steps 1 to {steps}", margin + legend]
     return "\n".join(lines)
 
 

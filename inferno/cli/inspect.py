@@ -203,23 +203,17 @@ def print_report(r: dict[str, Any]) -> None:
     out.print()
     layers = [f"L{i}" for i in range(r["layers"])]
     kv_heads = [f"kv{h}" for h in range(r["kv_heads"])]
-    grid = Table.grid(padding=(0, 4))
-    grid.add_row(Text("mean |K| per head", style="bold"), Text("mean |V| per head", style="bold"))
-    grid.add_row(
-        heatmap(np.array(r["key_norms"]), layers, kv_heads, "{:6.2f}"),
-        heatmap(np.array(r["value_norms"]), layers, kv_heads, "{:6.2f}"),
-    )
-    out.print(grid)
+    side_by_side(out, ("mean |K| per head", heatmap(np.array(r["key_norms"]), layers, kv_heads, "{:6.2f}")),
+                 ("mean |V| per head", heatmap(np.array(r["value_norms"]), layers, kv_heads, "{:6.2f}")))
     if "key_error" in r:
         out.print()
-        grid = Table.grid(padding=(0, 4))
-        grid.add_row(Text(f"K error of {r['dtype']}, % RMS", style="bold"),
-                     Text(f"V error of {r['dtype']}, % RMS", style="bold"))
-        grid.add_row(
-            heatmap(np.array(r["key_error"]) * 100, layers, kv_heads, "{:6.2f}"),
-            heatmap(np.array(r["value_error"]) * 100, layers, kv_heads, "{:6.2f}"),
+        side_by_side(
+            out,
+            (f"K error of {r['dtype']}, % RMS",
+             heatmap(np.array(r["key_error"]) * 100, layers, kv_heads, "{:6.2f}")),
+            (f"V error of {r['dtype']}, % RMS",
+             heatmap(np.array(r["value_error"]) * 100, layers, kv_heads, "{:6.2f}")),
         )
-        out.print(grid)
     if "blocks" in r:
         out.print()
         out.print(pool_view(r))
@@ -229,6 +223,21 @@ def print_report(r: dict[str, Any]) -> None:
         out.print(Text(f"layer {layer}: attention of the last query (position {pos}) over the cache, in %",
                        style="bold"))
         out.print(attention_map(r, out))
+
+
+def side_by_side(out: Console, *panels: tuple[str, Table]) -> None:
+    """Titled tables next to each other, or one under the other when together they are too wide."""
+    grid = Table.grid(padding=(0, 4))
+    grid.add_row(*(Text(title, style="bold") for title, _ in panels))
+    grid.add_row(*(table for _, table in panels))
+    if out.measure(grid, options=out.options.update_width(10_000)).maximum <= out.width:
+        out.print(grid)
+        return
+    for i, (title, table) in enumerate(panels):
+        if i:
+            out.print()
+        out.print(Text(title, style="bold"))
+        out.print(table)
 
 
 def window_line(w: dict[str, Any]) -> str:
