@@ -257,13 +257,15 @@ class GGUFTokenizer:
                             template: str | None = None) -> str:
         """Render the file's chat template (or `template`, a --chat-template file's text) for `messages`
         (dicts with "role" and "content"), with this model's special tokens."""
+        source = "the --chat-template file" if template is not None else \
+            "the model's chat template (tokenizer.chat_template)"
         template = template if template is not None else self._chat_template
         if template is None:
             raise InfernoError("this GGUF has no chat template (tokenizer.chat_template): "
                                "give one with --chat-template FILE")
         from inferno.chat_template import render  # jinja2 is imported only by runs that use a template
 
-        return render(template, messages=messages, tools=None, documents=None,
+        return render(template, template_source=source, messages=messages, tools=None, documents=None,
                       add_generation_prompt=add_generation_prompt, **self._special_tokens)
 
     @property
