@@ -155,10 +155,10 @@ def test_kv_perplexity_progress_free_json(run_main, loads, tmp_path):
 
     text = tmp_path / "t.txt"
     text.write_text("The quick brown fox jumps over the lazy dog.")
-    code, out, err = run_main(main, "kv-perplexity", "smollm2", "--text", text, "--window", "4", "--json")
+    code, out, err = run_main(main, "kv-perplexity", "smollm2", "--text", text, "--window", "6", "--json")
     assert code == 0 and err == "", err
     assert [r["cache"] for r in json.loads(out)["runs"]] == ["prealloc", "window", "window"]
-    code, out, err = run_main(main, "kv-perplexity", "-q", "--text", text, "--window", "4")
+    code, out, err = run_main(main, "kv-perplexity", "-q", "--text", text, "--window", "6")
     assert code == 0 and err == "" and "perplexity" in out
 
 
