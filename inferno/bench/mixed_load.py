@@ -49,6 +49,9 @@ def run_mixed(engine: Engine, short_ids: list[int], long_ids: list[int], decoder
         "long_prompt_ttft_ms": long_run.ttft_ms,
         "decode_tok_s": len(gaps) / gaps.sum() * decoders if gaps.sum() else None,
         "steps": steps,
+        # the first sequence's gaps in order, from the one spanning the long prompt's arrival on
+        "itl_ms": [1000 * (b - a) for a, b in zip(times[ids[0]], times[ids[0]][1:], strict=False)
+                   if b > arrived],
     }
 
 

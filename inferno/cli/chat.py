@@ -23,7 +23,7 @@ from inferno.cli.common import (
     EXIT_INTERRUPTED,
     check_activations,
     console,
-    default_model,
+    model_file,
     progress_on,
     run,
     script,
@@ -158,7 +158,7 @@ def command(model, system, template_file, max_new, kv, kv_dtype, max_context, te
     from inferno.sampling import Sampler
 
     err = console(stderr=True)
-    engine = Engine.load(model or default_model(), progress=progress_on(err))
+    engine = Engine.load(model_file(model), progress=progress_on(err))
     engine.model.set_activations(activations)
     sampler = Sampler(temperature, top_k, top_p, seed)
     conversation = Conversation(system)

@@ -22,7 +22,7 @@ import click
 from inferno.cli.common import (
     EXIT_INTERRUPTED,
     check_activations,
-    default_model,
+    model_file,
     run,
     script,
     set_threads,
@@ -126,7 +126,7 @@ def command(model, host, port, kv, kv_dtype, block_size, cache_memory, max_batch
     template = _read_template(chat_template) if chat_template else None
     if api_key is not None and not api_key.strip():
         raise InfernoError("--api-key is empty")
-    model_path = Path(model) if model else default_model()
+    model_path = model_file(model)
     if not model_path.is_file():
         raise InfernoError(f"no model file at {model_path}")
     sock = bind(host, port)
