@@ -114,12 +114,12 @@ def test_memory_is_the_planned_bytes_and_stays_flat(positions):
 @pytest.mark.parametrize(
     "options, message",
     [
-        (dict(window=0), "at least 1 position"),
+        (dict(window=0), "window must be at least 1"),
         (dict(window=4, sinks=4), "4 sinks must be fewer than the window of 4"),
         (dict(window=62, sinks=4), "window of 62 \\+ 4 sinks is more than the cache's 64"),
         (dict(window=8, positions="middle"), "unknown window positions 'middle'"),
         (dict(sinks=2), "needs a window"),
-        (dict(window=8, sinks=-1), "0 or more"),
+        (dict(window=8, sinks=-1), "sinks must be at least 0"),
     ],
 )
 def test_bad_settings_are_refused(options, message):
