@@ -57,6 +57,10 @@ class Ragged:
         """Store each sequence's rows k, v [N, kv_width] of `layer` in its cache and attend its
         queries q [N, heads * head_dim] causally over it: [N, heads * head_dim]. window: the layer's
         sliding window (used only without a cache: a cache knows its layers' windows)."""
+        if not self._alone and len(self._batches) == 1:  # batched decode alone: no rows to gather
+            batch = self._batches[0][1]
+            batch.write(layer, k, v)
+            return batch.attend(layer, q, n_heads)
         out = np.empty_like(q)
         for rows, batch in self._batches:
             batch.write(layer, k[rows], v[rows])
