@@ -32,7 +32,7 @@ from inferno.validate import check_finite_weights, check_model_file
 MatMul = Callable[[QuantizedMatrix, np.ndarray], np.ndarray]  # x [n, cols] -> [n, rows]
 
 PREFILL_CHUNK = 512  # tokens per forward when prefilling into a cache that evicts
-BATCH_ROWS = 16  # up to this many rows of several sequences, batch_matmul beats BLAS (see quant_batch)
+BATCH_ROWS = 64  # up to this many rows of several sequences, batch_matmul beats BLAS (docs/BENCHMARKS.md)
 
 
 class Projections:
