@@ -193,13 +193,7 @@ def command(model, prompt, depth, new_tokens, modes, kv_dtypes, fidelity, text_f
     same = len({tuple(r["token_ids"]) for r in results.values()}) == 1
     report = {"prompt_tokens": len(prompt_ids), "new_tokens": new_tokens, "identical_tokens": same,
               "summary": rows, "runs": results}
-    if plot is not None:
-        from inferno.plots import plot_forwards
-
-        plot_forwards(report, plot)
-    if as_json:
-        json.dump(report, sys.stdout)
-        print()
+    if emit(report, plot, as_json, "plot_forwards"):
         return
     from inferno.cli.display import bench_table, forward_chart
 
@@ -244,13 +238,7 @@ def report_fidelity(engine, dtypes: tuple[str, ...], text_file: str | None, toke
         rows = measure(Counted(engine.model, "decode", advance), ids, list(dtypes), activations=activations)
     report = {"text": source, "tokens": len(ids),
               "rows": [r.to_json() | {"kernels_ms": kernels_ms.get(r.dtype, 0.0)} for r in rows]}
-    if plot is not None:
-        from inferno.plots import plot_fidelity
-
-        plot_fidelity(report, plot)
-    if as_json:
-        json.dump(report, sys.stdout)
-        print()
+    if emit(report, plot, as_json, "plot_fidelity"):
         return
     from inferno.cli.display import fidelity_table
 
@@ -278,13 +266,7 @@ def report_sweep(engine, prompt_ids: list[int], new_tokens: int, sizes: list[int
     rows = batch_sweep(engine, prompt_ids, new_tokens, sizes, block_size)
     report = {"prompt_tokens": len(prompt_ids), "new_tokens": new_tokens, "block_size": block_size,
               "activations": engine.model.activations, "sweep": rows}
-    if plot is not None:
-        from inferno.plots import plot_sweep
-
-        plot_sweep(report, plot)
-    if as_json:
-        json.dump(report, sys.stdout)
-        print()
+    if emit(report, plot, as_json, "plot_sweep"):
         return
     from inferno.cli.display import sweep_table
 
@@ -302,13 +284,7 @@ def report_mixed(engine, short_ids: list[int], long_ids: list[int], decoders: in
     rows = mixed_load(engine, short_ids, long_ids, decoders, new_tokens, budgets, rounds)
     report = {"decoders": decoders, "prompt_tokens": len(long_ids), "new_tokens": new_tokens,
               "rounds": rounds, "runs": rows}
-    if plot is not None:
-        from inferno.plots import plot_mixed
-
-        plot_mixed(report, plot)
-    if as_json:
-        json.dump(report, sys.stdout)
-        print()
+    if emit(report, plot, as_json, "plot_mixed"):
         return
     from inferno.cli.display import compact_table, titled
 
@@ -323,6 +299,19 @@ def report_mixed(engine, short_ids: list[int], long_ids: list[int], decoders: in
                       f"{r['long_prompt_ttft_ms']:.0f}", f"{r['decode_tok_s']:.1f}")
     console().print(titled(f"{decoders} sequences decoding while a {len(long_ids)}-token prompt arrives "
                            f"(median of {rounds} rounds)", table))
+
+
+def emit(report: dict, plot: str | None, as_json: bool, figure: str) -> bool:
+    """Draw the report with `inferno.plots.<figure>` into --plot's file, print it with --json; True
+    when that is all the command shows (--json)."""
+    if plot is not None:
+        from inferno import plots
+
+        getattr(plots, figure)(report, plot)
+    if as_json:
+        json.dump(report, sys.stdout)
+        print()
+    return as_json
 
 
 def main() -> None:
