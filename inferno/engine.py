@@ -27,8 +27,8 @@ from inferno.errors import InfernoError
 from inferno.kv import DEFAULT_DTYPE, DTYPES, KINDS, KVCache, cache_class, make_cache
 from inferno.kv.paged import BLOCK_SIZE, BlockPool, PagedKVCache
 from inferno.metrics import RunRecord, Startup
-from inferno.model import Transformer
-from inferno.quant import MATMUL_MIN_ROWS, uses_blas
+from inferno.model import BATCH_ROWS, Transformer
+from inferno.quant import MATMUL_MIN_ROWS
 from inferno.sampling import Sampler
 from inferno.scheduler import Generation, Request, Scheduler
 from inferno.tokenizer import GGUFTokenizer
@@ -148,7 +148,7 @@ class Engine:
         """Before the first forward of `rows` rows or more that takes the BLAS path, load (or compile)
         its kernels, so that forward measures work; the time counts in `startup.jit_ms`. Short prompts
         never need them, and a run that has none does not pay for them."""
-        if self._matmul_ready or not uses_blas(rows):
+        if self._matmul_ready or rows <= BATCH_ROWS:
             return
         with self._counted_as_kernels():
             warm_up_matmul(self.model)

@@ -32,7 +32,9 @@ from inferno.validate import check_finite_weights, check_model_file
 MatMul = Callable[[QuantizedMatrix, np.ndarray], np.ndarray]  # x [n, cols] -> [n, rows]
 
 PREFILL_CHUNK = 512  # tokens per forward when prefilling into a cache that evicts
-BATCH_ROWS = 64  # up to this many rows of several sequences, batch_matmul beats BLAS (docs/BENCHMARKS.md)
+# Up to this many rows (a short prompt, a few sequences' decode steps, a chunk beside them) batch_matmul,
+# reading each weight once for all rows, beats dequantizing every weight for BLAS (docs/BENCHMARKS.md).
+BATCH_ROWS = 64
 
 
 class Projections:
@@ -242,8 +244,7 @@ class Transformer:
         batch = Ragged([caches] if single else list(caches), counts or [len(tokens)])  # type: ignore[list-item]
         if batch.n_tokens != len(tokens):
             raise ValueError(f"{len(tokens)} tokens for sequences of {batch.counts} new tokens")
-        # A few rows of several sequences read each weight once for all (decode's batched kernel).
-        matmul = batch_matmul if len(batch) > 1 and batch.n_tokens <= BATCH_ROWS else None
+        matmul = batch_matmul if 1 < batch.n_tokens <= BATCH_ROWS else None
         c = self.config
         x = self._embed(tokens)
         for i, layer in enumerate(self.layers):
@@ -257,7 +258,7 @@ class Transformer:
             x = x + self._mlp(layer, x, matmul)
         batch.commit()
         rows = x if every_logit else x[batch.last_rows]
-        logits = self._logits(rows, batch_matmul if len(batch) > 1 and not every_logit else None)
+        logits = self._logits(rows, batch_matmul if 1 < len(rows) <= BATCH_ROWS else None)
         return logits[0] if single and not every_logit else logits
 
     def prefill(self, tokens: np.ndarray, cache: KVCache, every_logit: bool = False) -> np.ndarray:

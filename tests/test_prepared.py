@@ -159,8 +159,10 @@ def test_the_blas_path_is_warmed_only_by_a_request_that_takes_it(cache_dir):
     loaded = engine.startup.jit_ms
     engine.generate("hi", 2)
     assert engine.startup.jit_ms == loaded
-    long_prompt = "one two three four five six seven eight nine ten"
-    assert len(engine.tokenizer.encode(long_prompt)) >= 8
+    from inferno.model import BATCH_ROWS
+
+    long_prompt = "one two three four five six seven eight nine ten " * 2
+    assert BATCH_ROWS < len(engine.tokenizer.encode(long_prompt)) <= engine.config.context_length - 2
     engine.generate(long_prompt, 2)
     warmed = engine.startup.jit_ms
     assert warmed > loaded
