@@ -257,8 +257,7 @@ class GGUFTokenizer:
                             template: str | None = None) -> str:
         """Render the file's chat template (or `template`, a --chat-template file's text) for `messages`
         (dicts with "role" and "content"), with this model's special tokens."""
-        source = "the --chat-template file" if template is not None else \
-            "the model's chat template (tokenizer.chat_template)"
+        source = "the --chat-template file" if template is not None else self._template_source
         template = template if template is not None else self._chat_template
         if template is None:
             raise InfernoError("this GGUF has no chat template (tokenizer.chat_template): "
@@ -267,6 +266,12 @@ class GGUFTokenizer:
 
         return render(template, template_source=source, messages=messages, tools=None, documents=None,
                       add_generation_prompt=add_generation_prompt, **self._special_tokens)
+
+    _template_source = "the model's chat template (tokenizer.chat_template)"
+
+    def use_chat_template(self, template: str) -> None:
+        """Render chats with `template` (a --chat-template file's text) instead of the model's."""
+        self._chat_template, self._template_source = template, "the --chat-template file"
 
     @property
     def has_chat_template(self) -> bool:

@@ -4,6 +4,7 @@ conversation does."""
 from __future__ import annotations
 
 import io
+import json
 import sys
 
 import pytest
@@ -49,3 +50,18 @@ def test_a_model_without_a_chat_template_is_refused_in_one_line(run_main, monkey
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n"))
     code, _, err = run_main(main, PROG, gemma_path)
     assert code == 2 and "no chat template" in err and "--chat-template" in err
+
+
+def test_chat_template_file_gives_a_base_model_a_chat(run_main, gemma_path, tmp_path):
+    from inferno.cli.generate import main as generate_main
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}"
+                        "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n"
+                        "{% endif %}")
+    code, out, err = run_main(generate_main, "model-generate", "--chat", "--chat-template", template,
+                              "--json", gemma_path, "Hello", 4)
+    assert code == 0, err
+    assert json.loads(out)["prompt"].startswith("<start_of_turn>user\nHello<end_of_turn>")
+    code, _, err = run_main(generate_main, "model-generate", "--chat-template", template, gemma_path, "Hi", 2)
+    assert code == 2 and "--chat-template needs --chat" in err

@@ -99,6 +99,18 @@ def read_prompt_file(path: str, limit: int = PROMPT_FILE_LIMIT) -> str:
         raise InfernoError(f"--prompt-file {path} is not UTF-8 text (byte {exc.start})") from None
 
 
+def read_template(path: str) -> str:
+    """A --chat-template file's text (at most 1 MiB)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read((1 << 20) + 1)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InfernoError(f"cannot read --chat-template {path}: {exc}") from None
+    if len(text) > 1 << 20:
+        raise InfernoError(f"--chat-template {path} is more than the 1 MiB a template may be")
+    return text
+
+
 def cache_options(window: int | None, sinks: int | None, positions: str | None) -> dict:
     """The window kind's options given on the command line (those not given keep their defaults)."""
     given = {"window": window, "sinks": sinks, "positions": positions}
@@ -164,6 +176,9 @@ def _near_mode(word: str | None) -> bool:
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--system", default=None, metavar="TEXT",
               help="With --chat: a system message before the prompt.")
+@click.option("--chat-template", "template_file", type=click.Path(dir_okay=False), default=None,
+              metavar="FILE", help="With --chat: a Jinja chat template instead of the model's (a base "
+                                   "model has none).")
 @click.option("--stop", "stops", multiple=True, metavar="STRING",
               help="End generation where STRING appears (repeatable); the text ends before it.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 means greedy.")
@@ -190,8 +205,9 @@ def _near_mode(word: str | None) -> bool:
 @quiet_option()
 @version_option()
 def command(args, max_tokens, kv, kv_dtype, max_context, block_size, num_samples, batch_file, max_batch,
-            window, sinks, window_positions, chat, system, stops, temperature, top_k, top_p, seed, ignore_eos,
-            prompt_file, threads, activations, log_tokens, as_json, save_cache, load_cache, quiet):
+            window, sinks, window_positions, chat, system, template_file, stops, temperature, top_k, top_p,
+            seed, ignore_eos, prompt_file, threads, activations, log_tokens, as_json, save_cache, load_cache,
+            quiet):
     """Generate text with a GGUF model on the CPU and report per-forward timings.
 
     The generated text goes to stdout; the prompt, progress and metrics to stderr (--json: one
@@ -230,6 +246,9 @@ def command(args, max_tokens, kv, kv_dtype, max_context, block_size, num_samples
         raise InfernoError(f"--max-context must be at least 1, got {max_context}")
     if system is not None and not chat:
         raise InfernoError("--system needs --chat (the system message goes into the chat template)")
+    template = read_template(template_file) if template_file else None
+    if template is not None and not chat:
+        raise InfernoError("--chat-template needs --chat")
     if block_size is not None and (kv != "paged" or block_size < 1):
         raise InfernoError(f"--block-size needs --kv paged and at least 1 token, got {block_size}")
     window_options = cache_options(window, sinks, window_positions)
@@ -261,6 +280,8 @@ def command(args, max_tokens, kv, kv_dtype, max_context, block_size, num_samples
     engine = Engine.load(model_path, progress=None if as_json or quiet else progress_on(err))
     engine.startup = replace(engine.startup, imports_ms=imports_ms)
     engine.model.set_activations(activations)
+    if template is not None:
+        engine.tokenizer.use_chat_template(template)
     check_bounds(engine, prompt, chat, system, max_new, num_samples, max_batch if batch_file else None,
                  block_size, kv, kv_dtype)
     if many:
