@@ -25,6 +25,7 @@ from inferno.cli.common import (
     console,
     model_file,
     progress_on,
+    read_template,
     run,
     script,
     set_threads,
@@ -146,13 +147,7 @@ def command(model, system, template_file, max_new, kv, kv_dtype, max_context, te
         raise InfernoError(f"--max-tokens must be at least 1, got {max_new}")
     if kv not in KINDS:
         raise InfernoError(f"unknown KV cache mode {kv!r}")
-    template = None
-    if template_file:
-        try:
-            with open(template_file, encoding="utf-8") as f:
-                template = f.read(1 << 20)
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InfernoError(f"cannot read --chat-template {template_file}: {exc}") from None
+    template = read_template(template_file) if template_file else None
     system = utf8("--system", system) if system is not None else None
     from inferno.engine import Engine
     from inferno.sampling import Sampler

@@ -382,3 +382,20 @@ def quiet_console(quiet: bool, as_json: bool = False):
 def quiet_option() -> Callable:
     return click.option("--quiet", "-q", is_flag=True,
                         help="No progress and no metrics on stderr (the output itself is unchanged).")
+
+
+MAX_TEMPLATE_BYTES = 1 << 20
+
+
+def read_template(path: str) -> str:
+    """A --chat-template file's text (UTF-8, at most MAX_TEMPLATE_BYTES)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(MAX_TEMPLATE_BYTES + 1)
+    except OSError as exc:
+        raise InfernoError(f"cannot read --chat-template {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise InfernoError(f"--chat-template {path} is not UTF-8 text (byte {exc.start})") from None
+    if len(text) > MAX_TEMPLATE_BYTES:
+        raise InfernoError(f"--chat-template {path} is more than the 1 MiB a template may be")
+    return text

@@ -22,6 +22,7 @@ from inferno.cli.common import (
     model_file,
     progress_on,
     quiet_option,
+    read_template,
     require_stdout,
     run,
     script,
@@ -97,18 +98,6 @@ def read_prompt_file(path: str, limit: int = PROMPT_FILE_LIMIT) -> str:
         raise InfernoError(f"cannot read --prompt-file {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
         raise InfernoError(f"--prompt-file {path} is not UTF-8 text (byte {exc.start})") from None
-
-
-def read_template(path: str) -> str:
-    """A --chat-template file's text (at most 1 MiB)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read((1 << 20) + 1)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InfernoError(f"cannot read --chat-template {path}: {exc}") from None
-    if len(text) > 1 << 20:
-        raise InfernoError(f"--chat-template {path} is more than the 1 MiB a template may be")
-    return text
 
 
 def cache_options(window: int | None, sinks: int | None, positions: str | None) -> dict:

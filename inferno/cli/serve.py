@@ -14,7 +14,6 @@ import signal
 import socket
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from time import perf_counter
 
 import click
@@ -23,11 +22,13 @@ from inferno.cli.common import (
     EXIT_INTERRUPTED,
     check_activations,
     model_file,
+    read_template,
     run,
     script,
     set_threads,
     version_option,
 )
+from inferno.cli.display import fmt_bytes
 from inferno.errors import InfernoError
 from inferno.kv import DEFAULT_DTYPE, DTYPES, KINDS
 
@@ -123,7 +124,7 @@ def command(model, host, port, kv, kv_dtype, block_size, cache_memory, max_batch
     if not 0 <= port <= 65535:
         raise InfernoError(f"--port must be from 0 to 65535, got {port}")
     memory = parse_size(cache_memory)
-    template = _read_template(chat_template) if chat_template else None
+    template = read_template(chat_template) if chat_template else None
     if api_key is not None and not api_key.strip():
         raise InfernoError("--api-key is empty")
     model_path = model_file(model)
@@ -160,7 +161,7 @@ def command(model, host, port, kv, kv_dtype, block_size, cache_memory, max_batch
                                "two tokens")
         pool = scheduler.pool
         cache_line = (f"KV cache paged {kv_dtype}: {blocks:,} blocks of {block_size} tokens x "
-                      f"{block_bytes:,} bytes = {_human(pool.nbytes)} (--cache-memory {cache_memory})"
+                      f"{block_bytes:,} bytes = {fmt_bytes(pool.nbytes)} (--cache-memory {cache_memory})"
                       f", {blocks * block_size // groups:,} tokens in all; a request holds up to "
                       f"{max_sequence:,}")
     else:
@@ -229,22 +230,6 @@ def _server(app, sock: socket.socket, access_log: bool, engine_loop):
     server = Server(config)
     server.signals = []
     return server
-
-
-def _read_template(path: str) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise InfernoError(f"cannot read --chat-template {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise InfernoError(f"--chat-template {path} is not UTF-8 text (byte {exc.start})") from None
-
-
-def _human(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
 
 
 def main() -> None:
