@@ -5,14 +5,15 @@ BIN    := $(VENV)/bin
 MODEL  ?= smollm2
 MODEL_FILE_smollm2 := models/SmolLM2-135M-Instruct.Q4_1.gguf
 MODEL_FILE_gemma3  := models/gemma-3-270m-q4_k_m.gguf
+MODEL_FILE_qwen    := models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 MODEL_FILE := $(MODEL_FILE_$(MODEL))
 ifeq ($(MODEL_FILE),)
-$(error unknown MODEL '$(MODEL)' (known: smollm2, gemma3))
+$(error unknown MODEL '$(MODEL)' (known: smollm2, gemma3, qwen))
 endif
 
 .PHONY: run serve test fuzz setup model models lint bench clean
 
-## run: set up, fetch the model (MODEL=smollm2 or gemma3) and generate 32 tokens with the prealloc KV cache
+## run: set up, fetch the model (MODEL=smollm2, gemma3 or qwen) and generate 32 tokens with the prealloc KV cache
 run: setup model
 	$(BIN)/model-generate --kv prealloc $(MODEL_FILE) "Once upon a time" 32
 
@@ -42,13 +43,16 @@ $(VENV)/.installed: pyproject.toml
 
 model: $(MODEL_FILE)
 
-models: $(MODEL_FILE_smollm2) $(MODEL_FILE_gemma3)
+models: $(MODEL_FILE_smollm2) $(MODEL_FILE_gemma3) $(MODEL_FILE_qwen)
 
 $(MODEL_FILE_smollm2):
 	PYTHON=$(BIN)/python bin/fetch-model smollm2
 
 $(MODEL_FILE_gemma3):
 	PYTHON=$(BIN)/python bin/fetch-model gemma3
+
+$(MODEL_FILE_qwen):
+	PYTHON=$(BIN)/python bin/fetch-model qwen
 
 lint: setup
 	$(BIN)/ruff check .
