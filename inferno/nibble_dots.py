@@ -38,6 +38,8 @@ Numba compiles for, the same ones its kernel cache is keyed by.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba
 import numpy as np
 from gguf import GGMLQuantizationType as QType
@@ -126,8 +128,45 @@ def _dot_bytes(builder, acc: ir.Value, unsigned: ir.Value, signed: ir.Value, vnn
     return acc
 
 
-NIBBLES_AT = {int(QType.Q4_0): 2, int(QType.Q4_1): 4}  # types with nibble quads, the byte they start at
-_Q8_0 = int(QType.Q8_0)
+class Packing(NamedTuple):
+    """Where a packed type's tiles hold what (byte rows of a block of the tile, inferno.quant's Layout).
+    Each sub-block of 32 values keeps its low four bits as nibble quads: 16 bytes, byte i of quad k
+    holding values 4k + i (low nibble) and 16 + 4k + i (high nibble), as four 4-byte words per row.
+    Bits above the nibble lie in planes of the same shape: one 4-byte word per row, byte i of plane
+    word p holding, for Q5_0, bit m of value 4m + i (m < 4) or 16 + 4(m - 4) + i (m >= 4), and for
+    Q6_K, bits 2k..2k+1 of value 4k + i (word 0) or 16 + 4k + i (word 1)."""
+
+    sub_blocks: int  # blocks of 32 values per block of the tile
+    quads: int  # byte row of the first sub-block's nibble quads
+    stride: int  # byte rows from one sub-block's quads (and planes) to the next's
+    high_bits: int  # bits of each value above its nibble
+    planes: int  # byte row of the first sub-block's planes
+
+
+# The types whose matvec takes integer dots of packed values. Q4_0 and Q4_1 keep the file's bytes,
+# their nibbles reordered; the others are repacked at load (inferno.quant), to the file's size (Q4_K:
+# 148 bytes for 144, its 6-bit scales and minimums unpacked to a byte each at rows 4-11 and 12-19;
+# Q6_K: d, then its 16 int8 scales at rows 2-17, then eight sub-blocks of quads and two plane words).
+PACKED = {
+    int(QType.Q4_0): Packing(1, 2, 16, 0, 0),
+    int(QType.Q4_1): Packing(1, 4, 16, 0, 0),
+    int(QType.Q5_0): Packing(1, 6, 16, 1, 2),
+    int(QType.Q4_K): Packing(8, 20, 16, 0, 0),
+    int(QType.Q6_K): Packing(8, 18, 24, 2, 34),
+}
+_Q8_0, _Q4_1, _Q5_0 = int(QType.Q8_0), int(QType.Q4_1), int(QType.Q5_0)
+_Q4_K, _Q6_K = int(QType.Q4_K), int(QType.Q6_K)
+
+
+@njit(cache=True)
+def half_sums(x, out):
+    """out[h] = the sum of values 16h..16h+15 of x (what Q6_K's offset of 32 multiplies: its scales
+    change every 16 values)."""
+    for h in range(out.size):
+        total = np.float32(0)
+        for j in range(16):
+            total += x[16 * h + j]
+        out[h] = total
 
 
 @intrinsic
@@ -135,12 +174,15 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, kind, n_parts):
     """acc[i, g + l] += what weight row g + l of block b of tile w (uint8[block, byte, lane]) adds to
     the product with every activation row i, for 16 rows l, from the integer dots of the block's
     weights with parts[i] (int8[rows, n_parts, cols]); kind (the GGML type) and n_parts are
-    compile-time constants, all arrays C-contiguous.
+    compile-time constants, all arrays C-contiguous. b counts blocks of 32 values (a K-quant block of
+    the tile holds eight, see PACKED).
 
-    Q4_0, Q4_1 (n_parts 1 or 4): d_l * scale[i, b] * D_il + m_l * sums[i, b], with D_il the combined
-    dot, (S0 * 2^7 + S1) * 2^14 + S2 * 2^7 + S3 for four parts or S0 for one (S_p: nibble * part p
-    over the block's 32 values), d_l and m_l the row's f16 scale and minimum (Q4_0: m = -8 d) and
-    sums[i, b] the block's sum of x_i.
+    The packed types (n_parts 1 or 4): d_l * scale[i, b] * D_il + m_l * sums[i, b], with D_il the
+    combined dot, (S0 * 2^7 + S1) * 2^14 + S2 * 2^7 + S3 for four parts or S0 for one (S_p: value *
+    part p over the block's 32 values), d_l and m_l the row's scale and minimum (Q4_0: m = -8 d;
+    Q5_0: -16 d; Q4_K: d * scale_j and -dmin * min_j of sub-block j) and sums[i, b] the block's sum
+    of x_i. Q6_K's scales change every 16 values: it sums each half on its own, d_l * scale[i, b] *
+    (sc_0 D_0 + sc_1 D_1) - 32 d_l (sc_0 sums[i, 2b] + sc_1 sums[i, 2b + 1]), its sums per 16 values.
     Q8_0 (n_parts 1): d_l * scale[i, b] * (S'_il - 128 * sums[i, b]), with S' summing (byte + 128) *
     part 0, the unsigned operand vpdpbusd needs, and sums[i, b] the block's sum of part 0. Its tiles
     keep each value's bytes side by side across lanes; a shuffle makes the 4-byte quads.
@@ -153,7 +195,7 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, kind, n_parts):
     if not all(isinstance(v, types.IntegerLiteral) for v in (kind, n_parts)):
         return None
     kind_, count = kind.literal_value, n_parts.literal_value
-    if not ((kind_ in NIBBLES_AT and count in ACTIVATIONS.values()) or (kind_ == _Q8_0 and count == 1)):
+    if not ((kind_ in PACKED and count in ACTIVATIONS.values()) or (kind_ == _Q8_0 and count == 1)):
         return None
     sig = types.void(w, b, g, parts, scale, sums, acc, kind, n_parts)
 
@@ -178,11 +220,15 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, kind, n_parts):
         def const(value: int) -> ir.Constant:
             return ir.Constant(lanes.type, value)
 
-        block_first = builder.mul(b_v, builder.mul(type_size, lanes))
+        packing = PACKED.get(kind_, Packing(1, 2, 32, 0, 0))
+        per = packing.sub_blocks
+        stored, sub = (builder.udiv(b_v, const(per)), builder.urem(b_v, const(per))) if per > 1 else (b_v, const(0))
+        block_first = builder.mul(stored, builder.mul(type_size, lanes))
 
-        def tile_bytes(byte_row: int, offset: ir.Value, vector: ir.Type) -> ir.Value:
-            """The tile's bytes from byte row `byte_row` of block b, `offset` bytes in."""
-            at = builder.add(block_first, builder.add(builder.mul(lanes, const(byte_row)), offset))
+        def tile_bytes(byte_row: int | ir.Value, offset: ir.Value, vector: ir.Type) -> ir.Value:
+            """The tile's bytes from byte row `byte_row` of the stored block, `offset` bytes in."""
+            row = byte_row if isinstance(byte_row, ir.Value) else const(byte_row)
+            at = builder.add(block_first, builder.add(builder.mul(lanes, row), offset))
             return builder.load(pointer(context, builder, w_t, w_v, at, vector), align=1)
 
         def half_lanes(byte_row: int) -> ir.Value:
@@ -193,10 +239,23 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, kind, n_parts):
             bits = builder.or_(low, builder.shl(high, constant(_SHORT, [8] * LANES)))
             return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), floats)
 
+        def byte_lanes(byte_row: ir.Value, signed: bool = False) -> ir.Value:
+            """The bytes of row byte_row for lanes g..g+15, as floats."""
+            convert = builder.sitofp if signed else builder.uitofp
+            return convert(tile_bytes(byte_row, g_v, bytes16), floats)
+
+        def words(byte_row: ir.Value) -> ir.Value:
+            """The 4-byte words of a quad or plane at byte_row, for lanes g..g+15, as <64 x i8>."""
+            return tile_bytes(byte_row, builder.mul(g_v, const(4)), bytes64)
+
+        def row_of(first: int, offset: int = 0) -> ir.Value:
+            """Byte row `first + offset` of sub-block `sub` (rows from `first` advance by the stride)."""
+            return builder.add(const(first + offset), builder.mul(sub, const(packing.stride)))
+
         d = half_lanes(0)
+        m = half_sums_scale = None
         weights = []  # (16 rows' 4 unsigned bytes as <16 x i32>, the first of the 4 values they hold)
         if kind_ == _Q8_0:
-            m = None
             offset = constant(_BYTE, [128] * 4 * LANES)
             for k in range(8):  # values 4k..4k+3, one byte row each, interleaved into quads
                 four = [tile_bytes(2 + 4 * k + v, g_v, bytes16) for v in range(4)]
@@ -207,14 +266,31 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, kind, n_parts):
                     _INT, [16 * v + lane for lane in range(LANES) for v in range(4)]))
                 weights.append((builder.bitcast(builder.add(quad, offset), ints), 4 * k))
         else:
-            nibbles_at = NIBBLES_AT[kind_]
-            m = half_lanes(2) if nibbles_at == 4 else builder.fmul(d, ir.Constant(floats, [-8.0] * LANES))
-            low_mask, shift = constant(_BYTE, [15] * 4 * LANES), constant(_BYTE, [4] * 4 * LANES)
+            if kind_ == _Q4_K:
+                m = builder.fneg(builder.fmul(half_lanes(2), byte_lanes(builder.add(const(12), sub))))
+                d = builder.fmul(d, byte_lanes(builder.add(const(4), sub)))
+            elif kind_ == _Q6_K:  # the two halves' int8 scales, at rows 2 + 2j and 3 + 2j
+                half_sums_scale = [byte_lanes(builder.add(const(2 + h), builder.mul(sub, const(2))), True)
+                                   for h in range(2)]
+            elif kind_ == _Q4_1:
+                m = half_lanes(2)
+            else:  # Q4_0, Q5_0: q - 8, q - 16
+                m = builder.fmul(d, ir.Constant(floats, [-8.0 if packing.high_bits == 0 else -16.0] * LANES))
+
+            def byte_splat(value: int) -> ir.Constant:
+                return constant(_BYTE, [value] * 4 * LANES)
+
+            planes = [words(row_of(packing.planes, 4 * p)) for p in range(packing.high_bits)]
             for k in range(4):
-                quad = tile_bytes(nibbles_at + 4 * k, builder.mul(g_v, const(4)), bytes64)
-                high = builder.and_(builder.lshr(quad, shift), low_mask)
-                weights.append((builder.bitcast(builder.and_(quad, low_mask), ints), 4 * k))
-                weights.append((builder.bitcast(high, ints), 16 + 4 * k))
+                quad = words(row_of(packing.quads, 4 * k))
+                nibbles = (builder.and_(quad, byte_splat(15)), builder.lshr(quad, byte_splat(4)))
+                for half, value in enumerate(nibbles):
+                    if packing.high_bits:  # Q5_0: bit k + 4 half of the plane; Q6_K: bits 2k.. of plane half
+                        plane, bit = (planes[0], k + 4 * half) if packing.high_bits == 1 else (planes[half], 2 * k)
+                        mask = (1 << packing.high_bits) - 1
+                        high = builder.and_(builder.lshr(plane, byte_splat(bit)), byte_splat(mask))
+                        value = builder.or_(value, builder.shl(high, byte_splat(4)))
+                    weights.append((builder.bitcast(value, ints), 16 * half + 4 * k))
 
         with cgutils.for_range(builder, rows) as loop:
             i = loop.index
@@ -228,32 +304,48 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, kind, n_parts):
                 word = builder.load(pointer(context, builder, parts_t, parts_v, flat, _INT), align=1)
                 return splat(builder, word, LANES)
 
-            totals = [ir.Constant(ints, [0] * LANES)] * count
+            halves = 2 if half_sums_scale else 1  # Q6_K: values 0-15 and 16-31 summed apart
+            totals = [[ir.Constant(ints, [0] * LANES)] * count for _ in range(halves)]
             for values, value in weights:  # the parts' independent chains interleaved
+                t = totals[value // 16 if halves == 2 else 0]
                 for part in range(count):
-                    totals[part] = _dot_bytes(builder, totals[part], values, broadcast_x(part, value), vnni)
+                    t[part] = _dot_bytes(builder, t[part], values, broadcast_x(part, value), vnni)
 
             def pair(first: ir.Value, second: ir.Value) -> ir.Value:  # first * 2^7 + second, exact as a float
                 joined = builder.add(builder.shl(first, constant(_INT, [PART_BITS] * LANES)), second)
                 return builder.sitofp(joined, floats)
 
-            if count == 1:
-                total = builder.sitofp(totals[0], floats)
-            else:
+            def combined(t: list[ir.Value]) -> ir.Value:
+                if count == 1:
+                    return builder.sitofp(t[0], floats)
                 weight = ir.Constant(floats, [float(1 << 2 * PART_BITS)] * LANES)
-                high = builder.fmul(pair(totals[0], totals[1]), weight)
-                total = builder.fadd(high, pair(totals[2], totals[3]))
-            cell = builder.add(builder.mul(i, blocks), b_v)
-            row_scale = splat(builder, builder.load(pointer(context, builder, scale_t, scale_v, cell,
-                                                             ir.FloatType())), LANES)
-            row_sum = splat(builder, builder.load(pointer(context, builder, sums_t, sums_v, cell,
+                return builder.fadd(builder.fmul(pair(t[0], t[1]), weight), pair(t[2], t[3]))
+
+            def load_splat(array_type, array, at: ir.Value) -> ir.Value:
+                return splat(builder, builder.load(pointer(context, builder, array_type, array, at,
                                                            ir.FloatType())), LANES)
-            if m is None:  # Q8_0: take back the 128 added to every weight byte (exact: both under 2^24)
-                total = builder.fsub(total, builder.fmul(row_sum, ir.Constant(floats, [128.0] * LANES)))
-                added = builder.fmul(d, builder.fmul(row_scale, total))
+
+            cell = builder.add(builder.mul(i, blocks), b_v)
+            row_scale = load_splat(scale_t, scale_v, cell)
+            if halves == 2:
+                sc0, sc1 = half_sums_scale
+                total = builder.fadd(builder.fmul(sc0, combined(totals[0])), builder.fmul(sc1, combined(totals[1])))
+                half_cell = builder.add(builder.mul(i, builder.mul(blocks, const(2))), builder.mul(b_v, const(2)))
+                s0 = load_splat(sums_t, sums_v, half_cell)
+                s1 = load_splat(sums_t, sums_v, builder.add(half_cell, const(1)))
+                offsets = builder.fadd(builder.fmul(sc0, s0), builder.fmul(sc1, s1))
+                scaled = builder.fmul(row_scale, total)
+                thirty_two = ir.Constant(floats, [32.0] * LANES)
+                added = builder.fmul(d, builder.fsub(scaled, builder.fmul(thirty_two, offsets)))
             else:
-                scaled = builder.fmul(d, builder.fmul(row_scale, total))
-                added = builder.fadd(scaled, builder.fmul(m, row_sum))
+                total = combined(totals[0])
+                row_sum = load_splat(sums_t, sums_v, cell)
+                if m is None:  # Q8_0: take back the 128 added to every weight byte (exact: both under 2^24)
+                    total = builder.fsub(total, builder.fmul(row_sum, ir.Constant(floats, [128.0] * LANES)))
+                    added = builder.fmul(d, builder.fmul(row_scale, total))
+                else:
+                    scaled = builder.fmul(d, builder.fmul(row_scale, total))
+                    added = builder.fadd(scaled, builder.fmul(m, row_sum))
             cell = builder.add(builder.mul(i, acc_width), g_v)
             target = pointer(context, builder, acc_t, acc_v, cell, floats)
             builder.store(builder.fadd(builder.load(target, align=4), added), target, align=4)

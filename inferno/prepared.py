@@ -39,7 +39,7 @@ from inferno.tokenizer import GGUFTokenizer
 from inferno.validate import check_config, expected_tensors
 
 MAGIC = b"INFERNO-PREPARED"
-VERSION = 2  # bumped whenever what an entry holds, or the tile layout of quant.py, changes
+VERSION = 3  # bumped whenever what an entry holds, or the tile layout of quant.py, changes
 ALIGN = 64  # bytes: every array starts on a cache line
 SAMPLE_BYTES = 1 << 20  # of the model file's start and end, hashed into its identity
 CACHE_DIR_ENV = "INFERNO_CACHE_DIR"

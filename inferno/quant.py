@@ -36,7 +36,7 @@ from numba.extending import intrinsic, overload
 from inferno.errors import InfernoError
 from inferno.jit import njit
 from inferno.kernels import float_from_bits, prefetch_ahead
-from inferno.nibble_dots import ACTIVATIONS, NIBBLES_AT, first_part_sums, quant_dots, split_activations
+from inferno.nibble_dots import ACTIVATIONS, PACKED, first_part_sums, half_sums, quant_dots, split_activations
 from inferno.nibble_dots import LANES as NIBBLE_LANES
 
 TILE_ROWS = 32  # lanes per tile: full SIMD loops, yet enough tiles to share small matrices between threads
@@ -55,6 +55,8 @@ F32, F16, BF16 = int(QType.F32), int(QType.F16), int(QType.BF16)
 Q8_0, Q4_0, Q4_1 = int(QType.Q8_0), int(QType.Q4_0), int(QType.Q4_1)
 Q5_0, Q5_1 = int(QType.Q5_0), int(QType.Q5_1)
 Q4_K, Q5_K, Q6_K = int(QType.Q4_K), int(QType.Q5_K), int(QType.Q6_K)
+K_SUB_BLOCKS = PACKED[Q4_K].sub_blocks
+TILE_BYTES = {Q4_K: 148}  # bytes per block in tiles, where repacking changes the file's (see _repack_q4_k)
 
 
 def integer_parts(kind: int, activations: str) -> int:
@@ -62,7 +64,7 @@ def integer_parts(kind: int, activations: str) -> int:
     nibble_dots.ACTIVATIONS); 0: it multiplies in float32. The 4-bit types always take integers (four
     parts keep float32's precision); Q8_0 only with one part ("int8"), where they pay."""
     parts = ACTIVATIONS[activations]
-    return parts if kind in NIBBLES_AT or (kind == Q8_0 and parts == 1) else 0
+    return parts if kind in PACKED or (kind == Q8_0 and parts == 1) else 0
 
 _matmul_scratch = np.empty(0, np.float32)  # grown on demand, shared by all matrices
 
@@ -242,8 +244,9 @@ def tile_layout(qtype: QType, rows: list[int], cols: int) -> tuple[tuple[int, ..
     """The tiles' shape holding weights of `rows` rows each, stacked, and each one's (first row, rows)."""
     if qtype not in SUPPORTED:
         raise ValueError(f"block type {qtype!r} is not supported")
-    lanes = WIDE_TILE_ROWS if qtype in (QType.Q4_0, QType.Q4_1) else TILE_ROWS
+    lanes = WIDE_TILE_ROWS if int(qtype) in PACKED else TILE_ROWS
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    type_size = TILE_BYTES.get(int(qtype), type_size)
     if cols < 1 or cols % block or min(rows, default=0) < 1:
         raise ValueError(f"{qtype.name} weights of {rows} rows of {cols} cannot be tiled")
     parts, first = [], 0
@@ -259,9 +262,10 @@ def _read_tiles(tensor: gguf.ReaderTensor, rows: int, tiles: np.ndarray) -> None
 
     Read from the file a few tiles at a time rather than through the reader's memory map: pages touched
     in the map would stay resident next to the repacked copy, doubling the model's memory."""
-    ntiles, nblocks, type_size, lanes = tiles.shape
+    ntiles, nblocks, _, lanes = tiles.shape
+    kind = int(tensor.tensor_type)
+    type_size = gguf.GGML_QUANT_SIZES[QType(kind)][1]  # the file's
     row_bytes = nblocks * type_size
-    qs = NIBBLES_AT.get(int(tensor.tensor_type), type_size)
     step = max(1, LOAD_CHUNK_BYTES // (lanes * row_bytes))  # tiles per read
     with _open_tensor_bytes(tensor) as f:
         for t in range(0, ntiles, step):
@@ -271,10 +275,72 @@ def _read_tiles(tensor: gguf.ReaderTensor, rows: int, tiles: np.ndarray) -> None
             if f.readinto(memoryview(chunk)[:want]) != want:
                 raise InfernoError(f"tensor {tensor.name}: file ends inside the tensor's data")
             blocks = chunk.reshape(n, lanes, nblocks, type_size).transpose(0, 2, 3, 1)
-            tiles[t : t + n, :, :qs] = blocks[:, :, :qs]
-            if qs < type_size:  # nibble bytes [16, lane] -> quads [4, lane, 4]
-                quads = blocks[:, :, qs:].reshape(n, nblocks, 4, 4, lanes).transpose(0, 1, 2, 4, 3)
-                tiles[t : t + n, :, qs:] = quads.reshape(n, nblocks, 16, lanes)
+            _REPACK.get(kind, _copy)(blocks, tiles[t : t + n])
+
+
+def _copy(blocks: np.ndarray, tiles: np.ndarray) -> None:
+    tiles[:] = blocks
+
+
+def _repack_q4(blocks: np.ndarray, tiles: np.ndarray) -> None:
+    """Q4_0, Q4_1: the scales as they are, the 16 nibble bytes as quads."""
+    qs = PACKED[Q4_0].quads if blocks.shape[2] == 18 else PACKED[Q4_1].quads
+    tiles[:, :, :qs] = blocks[:, :, :qs]
+    tiles[:, :, qs:] = _quads(blocks[:, :, qs:])
+
+
+def _repack_q5_0(blocks: np.ndarray, tiles: np.ndarray) -> None:
+    """Q5_0 [tile, block, 22, lane]: d, then the 5th bits as one plane word, then the nibble quads."""
+    tiles[:, :, :2] = blocks[:, :, :2]
+    fifth = [(blocks[:, :, 2 + v // 8] >> (v % 8)) & 1 for v in range(32)]  # value v's 5th bit
+    plane = [sum(fifth[4 * m + i if m < 4 else 16 + 4 * (m - 4) + i] << m for m in range(8)) for i in range(4)]
+    tiles[:, :, 2:6] = _quads(np.stack(plane, axis=2).astype(np.uint8))
+    tiles[:, :, 6:22] = _quads(blocks[:, :, 6:22])
+
+
+def _quads(rows: np.ndarray) -> np.ndarray:
+    """Bytes [..., 4k, lane] -> k words of 4 bytes per lane [..., k, lane, 4] (see the module's Layout),
+    returned as [..., 4k, lane]: nibble bytes (byte t: values t and t + 16) become quads."""
+    *outer, n, lanes = rows.shape
+    return rows.reshape(*outer, n // 4, 4, lanes).swapaxes(-1, -2).reshape(*outer, n, lanes)
+
+
+def _repack_q4_k(blocks: np.ndarray, tiles: np.ndarray) -> None:
+    """Q4_K blocks [tile, block, 144, lane] as the file holds them -> tiles [tile, block, 148, lane]:
+    d and dmin, the eight 6-bit scales and minimums one byte each, and each sub-block of 32 values as
+    Q4_0's nibble quads (inferno.nibble_dots.NIBBLES_AT)."""
+    tiles[:, :, :4] = blocks[:, :, :4]
+    s = blocks[:, :, 4:16].astype(np.uint8)  # the packed scales: bytes 0-11
+    tiles[:, :, 4:8] = s[:, :, 0:4] & 63
+    tiles[:, :, 12:16] = s[:, :, 4:8] & 63
+    tiles[:, :, 8:12] = (s[:, :, 8:12] & 15) | ((s[:, :, 0:4] >> 6) << 4)
+    tiles[:, :, 16:20] = (s[:, :, 8:12] >> 4) | ((s[:, :, 4:8] >> 6) << 4)
+    qs = blocks[:, :, 16:144].reshape(*blocks.shape[:2], 4, 32, blocks.shape[3])
+    values = np.stack([qs & 15, qs >> 4], axis=3)  # [tile, block, pair c, sub-block 2c + h, 32, lane]
+    values = values.reshape(*blocks.shape[:2], 8, 32, blocks.shape[3])
+    nibbles = values[:, :, :, :16] | (values[:, :, :, 16:] << 4)
+    tiles[:, :, 20:148] = _quads(nibbles).reshape(*blocks.shape[:2], 128, blocks.shape[3])
+
+
+def _repack_q6_k(blocks: np.ndarray, tiles: np.ndarray) -> None:
+    """Q6_K [tile, block, 210, lane]: d, the 16 int8 scales, then each sub-block of 32 values as nibble
+    quads and two plane words of its high 2 bits (inferno.nibble_dots.Packing)."""
+    n, nblocks, _, lanes = blocks.shape
+    tiles[:, :, 0:2] = blocks[:, :, 208:210]
+    tiles[:, :, 2:18] = blocks[:, :, 192:208]
+    ql = blocks[:, :, 0:128].reshape(n, nblocks, 2, 2, 32, lanes)  # [half h, run s & 1, i]
+    qh = blocks[:, :, 128:192].reshape(n, nblocks, 2, 1, 32, lanes)  # [half h, -, i]
+    low = np.stack([ql[:, :, :, 0] & 15, ql[:, :, :, 1] & 15, ql[:, :, :, 0] >> 4, ql[:, :, :, 1] >> 4], 3)
+    high = np.concatenate([(qh >> 2 * s) & 3 for s in range(4)], axis=3)
+    low = low.reshape(n, nblocks, 8, 32, lanes)  # sub-block j = 4h + s
+    high = high.reshape(n, nblocks, 8, 32, lanes)
+    nibbles = low[:, :, :, :16] | (low[:, :, :, 16:] << 4)
+    planes = [sum(high[:, :, :, 16 * p + 4 * k : 16 * p + 4 * k + 4] << 2 * k for k in range(4)) for p in range(2)]
+    record = np.concatenate([_quads(nibbles), _quads(np.concatenate(planes, axis=3).astype(np.uint8))], axis=3)
+    tiles[:, :, 18:210] = record.reshape(n, nblocks, 192, lanes)
+
+
+_REPACK = {Q4_0: _repack_q4, Q4_1: _repack_q4, Q5_0: _repack_q5_0, Q4_K: _repack_q4_k, Q6_K: _repack_q6_k}
 
 
 def _open_tensor_bytes(tensor: gguf.ReaderTensor) -> BinaryIO:
@@ -380,36 +446,75 @@ def _deq_q8_0(w, r0, r1, out):
 
 
 @njit(cache=True)
-def _deq_q4(w, r0, r1, out, qs):
-    """Q4_0 (nibbles at qs = 2: d * (q - 8)) or Q4_1 (qs = 4: d * q + m), from the quads: quad k of
-    lane q * n + c (n = lanes / 4 words per byte row) is the 32-bit word [b, qs + 4k + q, c]."""
+def _packed_value(words, b, quads, planes, high_bits, k, q, c, i, half):
+    """Value 16 half + 4k + i of lane q * n + c of the sub-block whose quads start at byte row `quads`
+    and planes at `planes` (inferno.nibble_dots.Packing): the 32-bit word [b, row + q, c] holds word
+    row // 4 of lane q * n + c, n = lanes / 4."""
+    v = (words[b, quads + 4 * k + q, c] >> np.uint32(8 * i + 4 * half)) & np.uint32(15)
+    if high_bits == 1:
+        v |= ((words[b, planes + q, c] >> np.uint32(8 * i + k + 4 * half)) & np.uint32(1)) << np.uint32(4)
+    elif high_bits == 2:
+        v |= ((words[b, planes + 4 * half + q, c] >> np.uint32(8 * i + 2 * k)) & np.uint32(3)) << np.uint32(4)
+    return np.int32(v)
+
+
+@njit(cache=True)
+def _deq_packed(w, r0, r1, out, kind, per, quads, stride, high_bits, planes):
+    """The packed types (inferno.nibble_dots.PACKED; its fields after kind), from their tiles."""
     words = w.view(np.uint32)
     n = words.shape[2]
     for b in range(w.shape[0]):
-        for k in range(4):
-            for q in range(4):
-                for c in range(max(0, r0 - q * n), min(n, r1 - q * n)):
-                    r = q * n + c
-                    d, word = _f16(w, b, 0, r), words[b, qs + 4 * k + q, c]
-                    for i in range(4):
-                        v = np.int32(word >> np.uint32(8 * i)) & 255
-                        if qs == 4:
-                            m = _f16(w, b, 2, r)
-                            out[32 * b + 4 * k + i, r - r0] = d * np.float32(_lo(v)) + m
-                            out[32 * b + 16 + 4 * k + i, r - r0] = d * np.float32(_hi(v)) + m
-                        else:
-                            out[32 * b + 4 * k + i, r - r0] = d * np.float32(_lo(v) - 8)
-                            out[32 * b + 16 + 4 * k + i, r - r0] = d * np.float32(_hi(v) - 8)
+        for j in range(per):
+            for k in range(4):
+                for q in range(4):
+                    for c in range(max(0, r0 - q * n), min(n, r1 - q * n)):
+                        r = q * n + c
+                        d = _f16(w, b, 0, r)
+                        for half in range(2):
+                            e = 32 * (per * b + j) + 16 * half + 4 * k
+                            if kind == Q4_K:
+                                dl = d * np.float32(w[b, 4 + j, r])
+                                ml = _f16(w, b, 2, r) * np.float32(w[b, 12 + j, r])
+                            elif kind == Q6_K:
+                                dl = d * np.float32(np.int8(w[b, 2 + 2 * j + half, r]))
+                            for i in range(4):
+                                v = _packed_value(words, b, quads + stride * j, planes + stride * j, high_bits,
+                                                  k, q, c, i, half)
+                                if kind == Q4_0:
+                                    out[e + i, r - r0] = d * np.float32(v - 8)
+                                elif kind == Q4_1:
+                                    out[e + i, r - r0] = d * np.float32(v) + _f16(w, b, 2, r)
+                                elif kind == Q5_0:
+                                    out[e + i, r - r0] = d * np.float32(v - 16)
+                                elif kind == Q4_K:
+                                    out[e + i, r - r0] = dl * np.float32(v) - ml
+                                else:
+                                    out[e + i, r - r0] = dl * np.float32(v - 32)
 
 
 @njit(cache=True)
 def _deq_q4_0(w, r0, r1, out):
-    _deq_q4(w, r0, r1, out, 2)
+    _deq_packed(w, r0, r1, out, Q4_0, 1, 2, 16, 0, 0)
 
 
 @njit(cache=True)
 def _deq_q4_1(w, r0, r1, out):
-    _deq_q4(w, r0, r1, out, 4)
+    _deq_packed(w, r0, r1, out, Q4_1, 1, 4, 16, 0, 0)
+
+
+@njit(cache=True)
+def _deq_q5_0(w, r0, r1, out):
+    _deq_packed(w, r0, r1, out, Q5_0, 1, 6, 16, 1, 2)
+
+
+@njit(cache=True)
+def _deq_q4_k(w, r0, r1, out):
+    _deq_packed(w, r0, r1, out, Q4_K, 8, 20, 16, 0, 0)
+
+
+@njit(cache=True)
+def _deq_q6_k(w, r0, r1, out):
+    _deq_packed(w, r0, r1, out, Q6_K, 8, 18, 24, 2, 34)
 
 
 @njit(cache=True)
@@ -419,14 +524,6 @@ def _q5(w, b, qh, qs, j, r):
     v = w[b, qs + (j & 15), r]
     low = _lo(v) if j < 16 else _hi(v)
     return low | np.int32(((w[b, qh + (j >> 3), r] >> (j & 7)) & 1) << 4)
-
-
-@njit(cache=True)
-def _deq_q5_0(w, r0, r1, out):
-    for b in range(w.shape[0]):
-        for j in range(32):
-            for r in range(r0, r1):
-                out[32 * b + j, r - r0] = _f16(w, b, 0, r) * np.float32(_q5(w, b, 2, 6, j, r) - 16)
 
 
 @njit(cache=True)
@@ -440,7 +537,7 @@ def _deq_q5_1(w, r0, r1, out):
 
 @njit(cache=True)
 def _deq_k4(w, r0, r1, out, qs, qh):
-    """Q4_K (qh < 0) and Q5_K: sub-block j of 32 is dl*q - ml. The 4 low bits of sub-blocks 2c, 2c+1
+    """Q5_K: sub-block j of 32 is dl*q - ml. The 4 low bits of sub-blocks 2c, 2c+1
     are the low/high nibbles of bytes qs+32c..+31; Q5_K's 5th bit of element i of sub-block j is bit j
     of byte qh+i."""
     for b in range(w.shape[0]):
@@ -457,34 +554,8 @@ def _deq_k4(w, r0, r1, out, qs, qh):
 
 
 @njit(cache=True)
-def _deq_q4_k(w, r0, r1, out):
-    _deq_k4(w, r0, r1, out, 16, -1)
-
-
-@njit(cache=True)
 def _deq_q5_k(w, r0, r1, out):
     _deq_k4(w, r0, r1, out, 48, 16)
-
-
-@njit(cache=True)
-def _q6(w, b, h, s, i, r):
-    """Q6_K value (q - 32) of element 128h + 32s + i: low 4 bits from ql (bytes 0..127), high 2 bits
-    from qh (bytes 128..191)."""
-    v = w[b, 64 * h + 32 * (s & 1) + i, r]
-    low = _lo(v) if s < 2 else _hi(v)
-    return (low | np.int32(((w[b, 128 + 32 * h + i, r] >> (2 * s)) & 3) << 4)) - 32
-
-
-@njit(cache=True)
-def _deq_q6_k(w, r0, r1, out):
-    for b in range(w.shape[0]):
-        for h in range(2):
-            for s in range(4):
-                for i in range(32):
-                    sub = 8 * h + 2 * s + i // 16
-                    for r in range(r0, r1):
-                        dl = _f16(w, b, 208, r) * np.float32(np.int8(w[b, 192 + sub, r]))
-                        out[256 * b + 128 * h + 32 * s + i, r - r0] = dl * np.float32(_q6(w, b, h, s, i, r))
 
 
 _DEQUANTIZE = {F32: _deq_f32, F16: _deq_f16, BF16: _deq_bf16, Q8_0: _deq_q8_0, Q4_0: _deq_q4_0,
@@ -501,7 +572,6 @@ _DEQUANTIZE = {F32: _deq_f32, F16: _deq_f16, BF16: _deq_bf16, Q8_0: _deq_q8_0, Q
 # out in each kernel: a helper inlined with inline="always" compiled to scalar code (10x slower) on a
 # first, uncached compile. That inner loop must be short enough for LLVM to unroll it fully (else it stays
 # the innermost loop and the lane loop runs scalar): Q5_0 and Q6_K split theirs into 16-step loops.
-# Q4_K keeps its scratch: the register shape measured slower there (more runtime alias checks).
 
 
 @njit(cache=True, fastmath=True)
@@ -516,80 +586,20 @@ def _dot_q8_0(w, x, xs, acc, s):
 
 
 @njit(cache=True, fastmath=True)
-def _dot_q5_0(w, x, xs, acc, s):
-    for b in range(w.shape[0]):
-        prefetch_ahead(w, b)
-        for r in range(acc.size):
-            part = np.float32(0)
-            for k in range(2):  # elements 8k..8k+7 (low nibbles) and 16+8k..16+8k+7 (high nibbles)
-                lo, hi = w[b, 2 + k, r], w[b, 4 + k, r]  # their 5th bits
-                for j in range(8):
-                    e, v = 32 * b + 8 * k + j, w[b, 6 + 8 * k + j, r]
-                    part += x[e] * np.float32(np.int32(_lo(v) + (16 if lo & (1 << j) else 0)))
-                    part += x[e + 16] * np.float32(np.int32(_hi(v) + (16 if hi & (1 << j) else 0)))
-            acc[r] += _f16(w, b, 0, r) * (part - np.float32(16) * xs[b])
-
-
-@njit(cache=True, fastmath=True)
-def _dot_q4_k(w, x, xs, acc, s):
-    lo, hi = s[0], s[1]
-    for b in range(w.shape[0]):
-        prefetch_ahead(w, b)
-        for c in range(4):  # sub-blocks 2c (low nibbles) and 2c+1 (high nibbles) share 32 bytes
-            _zero(lo)
-            _zero(hi)
-            base = 256 * b + 64 * c
-            for i in range(32):
-                xl, xh = x[base + i], x[base + 32 + i]
-                q = w[b, 16 + 32 * c + i]
-                for r in range(acc.size):
-                    lo[r] += xl * np.float32(_lo(q[r]))
-                    hi[r] += xh * np.float32(_hi(q[r]))
-            for r in range(acc.size):
-                sc0, m0 = _scale_min_k4(w, b, 2 * c, r)
-                sc1, m1 = _scale_min_k4(w, b, 2 * c + 1, r)
-                mins = m0 * xs[8 * b + 2 * c] + m1 * xs[8 * b + 2 * c + 1]
-                acc[r] += _f16(w, b, 0, r) * (sc0 * lo[r] + sc1 * hi[r]) - _f16(w, b, 2, r) * mins
-
-
-@njit(cache=True, fastmath=True)
-def _dot_q6_k(w, x, xs, acc, s):
-    for b in range(w.shape[0]):
-        prefetch_ahead(w, b)
-        for h in range(2):
-            for g in range(2):  # the two 16-element halves of each 32-run have their own scales
-                e, i0 = 256 * b + 128 * h + 16 * g, 16 * g
-                for r in range(acc.size):
-                    # a loop per 32-run of the half-block: 16-step loops unroll, so the lane loop vectorizes
-                    p0 = p1 = p2 = p3 = np.float32(0)
-                    for i in range(16):
-                        p0 += x[e + i] * np.float32(np.int32(_q6(w, b, h, 0, i0 + i, r)))
-                    for i in range(16):
-                        p1 += x[e + 32 + i] * np.float32(np.int32(_q6(w, b, h, 1, i0 + i, r)))
-                    for i in range(16):
-                        p2 += x[e + 64 + i] * np.float32(np.int32(_q6(w, b, h, 2, i0 + i, r)))
-                    for i in range(16):
-                        p3 += x[e + 96 + i] * np.float32(np.int32(_q6(w, b, h, 3, i0 + i, r)))
-                    sc = 192 + 8 * h + g  # the int8 scale of run k is at byte sc + 2k
-                    total = (np.float32(np.int8(w[b, sc, r])) * p0 + np.float32(np.int8(w[b, sc + 2, r])) * p1
-                             + np.float32(np.int8(w[b, sc + 4, r])) * p2
-                             + np.float32(np.int8(w[b, sc + 6, r])) * p3)
-                    acc[r] += _f16(w, b, 208, r) * total
-
-
-@njit(cache=True, fastmath=True)
 def _dot_integer(w, parts, scale, sums, acc, kind, n_parts):
     """acc[i, lane] += row lane of tile w . x_i for each row i of x, from x_i's n_parts int8 parts, each
     block's scale and its sums (inferno.nibble_dots.quant_dots): parts [rows, n_parts, cols], scale
     and sums [rows, blocks]; kind and n_parts compile-time constants."""
-    for b in range(w.shape[0]):
-        prefetch_ahead(w, b)
+    per = K_SUB_BLOCKS if kind in (Q4_K, Q6_K) else 1  # blocks of 32 values per block of the tile
+    for b in range(scale.shape[1]):  # blocks of 32 values
+        if b % per == 0:
+            prefetch_ahead(w, b // per)
         for g in range(0, acc.shape[1], NIBBLE_LANES):
             quant_dots(w, b, g, parts, scale, sums, acc, kind, n_parts)
 
 
-_DOT = {Q8_0: _dot_q8_0, Q5_0: _dot_q5_0, Q4_K: _dot_q4_k, Q6_K: _dot_q6_k}
-assert set(_DOT) | set(NIBBLES_AT) == {int(t) for t in FUSED}
+_DOT = {Q8_0: _dot_q8_0}
+assert set(_DOT) | set(PACKED) == {int(t) for t in FUSED}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -660,13 +670,15 @@ def _matvec(kind: int, n_parts: int) -> Callable:
     def matvec(tiles, x, out, nchunks):
         ntiles, lanes = tiles.shape[0], tiles.shape[3]
         nblocks = x.size // 32  # the float types' rows need not be whole blocks; they ignore xq
-        xs = np.zeros(nblocks, np.float32)
+        xs = np.zeros(2 * nblocks if kind == Q6_K else nblocks, np.float32)
         parts = np.empty((n_parts, x.size if integer else 0), np.int8)
         scale = np.empty(nblocks if integer else 0, np.float32)
         if integer:
-            split_activations(x, parts, scale, xs)
+            split_activations(x, parts, scale, xs[:nblocks])
             if kind == Q8_0:  # its dots take back 128 times the sum of each block's part
                 first_part_sums(parts, xs)
+            elif kind == Q6_K:  # its offset of 32 takes sums of every 16 values
+                half_sums(x, xs)
         else:
             for b in range(nblocks):
                 for j in range(32):

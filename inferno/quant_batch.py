@@ -26,8 +26,8 @@ from numba import prange
 
 from inferno.jit import njit
 from inferno.kernels import prefetch_ahead
-from inferno.nibble_dots import first_part_sums, split_activations
-from inferno.quant import Q8_0, QuantizedMatrix, _dequantize_tile, _dot_integer, _f16, integer_parts
+from inferno.nibble_dots import first_part_sums, half_sums, split_activations
+from inferno.quant import Q6_K, Q8_0, QuantizedMatrix, _dequantize_tile, _dot_integer, _f16, integer_parts
 
 GROUP_VALUES = 32  # values of a row dequantized per step: one block of the 32-value types
 
@@ -196,17 +196,21 @@ def _q8_0_kernel() -> Callable:
 def _integer_kernel(kind: int, n_parts: int) -> Callable:
     @njit(cache=True, parallel=True, fastmath=True)
     def matmul_rows(tiles, x, out, nchunks):
-        """Q4_0, Q4_1 (or Q8_0 with one part): each row of x split into int8 parts once, then, tile by
+        """Q4_0, Q4_1, Q4_K (or Q8_0 with one part): each row of x split into int8 parts once, then, tile by
         tile and block by block, the integer dots of inferno.quant for one row after another (the
         block stays in cache after the first row)."""
-        ntiles, nblocks, lanes = tiles.shape[0], tiles.shape[1], tiles.shape[3]
+        ntiles, lanes = tiles.shape[0], tiles.shape[3]
         n_rows, cols = x.shape
+        nblocks = cols // 32  # blocks of x's values (a Q4_K block of the tiles holds eight)
         parts = np.empty((n_rows, n_parts, cols), np.int8)
-        scale, xs = np.empty((n_rows, nblocks), np.float32), np.empty((n_rows, nblocks), np.float32)
+        scale = np.empty((n_rows, nblocks), np.float32)
+        xs = np.empty((n_rows, 2 * nblocks if kind == Q6_K else nblocks), np.float32)
         for i in range(n_rows):
-            split_activations(x[i], parts[i], scale[i], xs[i])
+            split_activations(x[i], parts[i], scale[i], xs[i, :nblocks])
             if kind == Q8_0:  # its dots take back 128 times the sum of each block's part
                 first_part_sums(parts[i], xs[i])
+            elif kind == Q6_K:  # its offset of 32 takes sums of every 16 values
+                half_sums(x[i], xs[i])
         nchunks = min(ntiles, nchunks)
         for c in prange(nchunks):  # one run of tiles per thread
             acc = np.empty((n_rows, lanes), np.float32)

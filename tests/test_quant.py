@@ -14,8 +14,11 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from inferno import nibble_dots
 from inferno.errors import InfernoError
+from inferno.jit import njit
 from inferno.quant import SUPPORTED, WIDE_TILE_ROWS, QuantizedMatrix, tensor_to_float32
+from inferno.quant_batch import batch_matmul
 
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
@@ -194,13 +197,13 @@ def test_stacked_weights_compute_like_separate_ones(tmp_path):
 
 
 def test_int8_activations_round_like_llama_cpp_and_leave_other_types_alone(tmp_path):
-    """activations = "int8": the products of the 4-bit types and Q8_0 take x rounded to one int8 per
+    """activations = "int8": the products of the packed types and Q8_0 take x rounded to one int8 per
     value (an error under half a step, max|x|/127 of the block, times the weights), the others stay
     float32; a name outside ACTIVATIONS is refused."""
     rng = np.random.default_rng(5)
     cols = 256
     x = rng.standard_normal(cols).astype(np.float32)
-    for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q6_K):
+    for qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q5_K):
         blocks = make_blocks(qtype, 70, cols, rng)
         tensor = write_gguf(tmp_path / f"{qtype.name}.gguf", {"w": (qtype, blocks)})["w"]
         m = QuantizedMatrix.from_tensor(tensor)
@@ -209,10 +212,66 @@ def test_int8_activations_round_like_llama_cpp_and_leave_other_types_alone(tmp_p
         rounded = m.matvec(x)
         w = reference(tensor).astype(np.float64)
         bound = np.abs(w) @ np.repeat(np.abs(x.reshape(-1, 32)).max(axis=1), 32) / 254
-        if qtype == Q.Q6_K:
+        if qtype == Q.Q5_K:
             assert np.array_equal(rounded, exact)
         else:
             assert not np.array_equal(rounded, exact)
             assert np.all(np.abs(rounded - w @ x) <= bound * 1.001 + 1e-4)
         with pytest.raises(ValueError, match="activations 'int4'"):
             m.activations = "int4"
+
+
+@pytest.mark.parametrize("n_parts", [1, 4])
+@pytest.mark.parametrize("vnni", [True, False], ids=["vpdpbusd", "plain-ir"])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_packed_dots_of_every_type_on_both_instruction_paths(tmp_path, monkeypatch, qtype, vnni, n_parts):
+    """The integer dots of each packed type (repacked tiles, their high-bit planes and sub-block scales),
+    generated afresh with and without vpdpbusd: 16 rows of a real tile against two activation rows
+    match the dequantized weights to float32 rounding (four parts) or to int8 rounding (one)."""
+    if vnni and not nibble_dots.has_vnni():
+        pytest.skip("this CPU has no AVX512-VNNI")
+    monkeypatch.setattr(nibble_dots, "has_vnni", lambda: vnni)
+    rng = np.random.default_rng(int(qtype) + 7 * n_parts)
+    cols = 512
+    tensor = write_gguf(tmp_path / "w.gguf", {"w": (qtype, make_blocks(qtype, 16, cols, rng))})["w"]
+    tile = QuantizedMatrix.from_tensor(tensor).tiles[0]
+    x = rng.standard_normal((2, cols)).astype(np.float32)
+    parts = np.empty((2, n_parts, cols), np.int8)
+    scale, sums = np.empty((2, cols // 32), np.float32), np.empty((2, cols // 16), np.float32)
+    for i in range(2):
+        nibble_dots.split_activations(x[i], parts[i], scale[i], sums[i, : cols // 32])
+        if qtype == Q.Q6_K:
+            nibble_dots.half_sums(x[i], sums[i])
+    if qtype != Q.Q6_K:
+        sums = np.ascontiguousarray(sums[:, : cols // 32])
+
+    kind = int(qtype)
+
+    @njit(cache=False)
+    def dots(w, parts, scale, sums, acc):  # kind and n_parts: closure constants, as the kernels' are
+        for b in range(scale.shape[1]):
+            nibble_dots.quant_dots(w, b, 0, parts, scale, sums, acc, kind, n_parts)
+
+    acc = np.zeros((2, 64), np.float32)
+    dots(tile, parts, scale, sums, acc)
+    w = reference(tensor)
+    if n_parts == 4:
+        assert_close(acc[:, :16], w, x)
+    else:
+        bound = np.abs(w.astype(np.float64)) @ np.repeat(np.abs(x.reshape(2, -1, 32)).max(axis=2), 32, 1).T / 254
+        assert np.all(np.abs(acc[:, :16] - x @ w.T) <= bound.T * 1.001 + 1e-4)
+    assert not acc[:, 16:].any()
+    assert ("vpdpbusd" in dots.inspect_asm(dots.signatures[0])) == vnni
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_batch_matmul_of_packed_types_is_the_matvec_of_each_row(tmp_path, qtype):
+    """A few rows at once (batched decode, short prompts) run each row's own integer dots: bit-identical
+    to one matvec per row, with either activations."""
+    rng = np.random.default_rng(int(qtype))
+    tensor = write_gguf(tmp_path / "w.gguf", {"w": (qtype, make_blocks(qtype, 70, 512, rng))})["w"]
+    m = QuantizedMatrix.from_tensor(tensor)
+    x = rng.standard_normal((5, 512)).astype(np.float32)
+    for activations in ("f32", "int8"):
+        m.activations = activations
+        assert np.array_equal(batch_matmul(m, x), np.stack([m.matvec(row) for row in x]))
