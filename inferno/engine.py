@@ -68,7 +68,8 @@ class Engine:
             warm_up(ready.model)
         t2 = perf_counter()
         parts = {f"{name}_ms": ms for name, ms in ready.parts_ms.items()}
-        startup = Startup(load_ms=(t1 - t0) * 1000, jit_ms=(t2 - t1) * 1000, model_cache=ready.cache, **parts)
+        startup = Startup(load_ms=(t1 - t0) * 1000, jit_ms=(t2 - t1) * 1000, model_cache=ready.cache,
+                          model_cache_bytes=ready.cache_bytes, **parts)
         return cls(ready.model, ready.tokenizer, startup, ready.fingerprint, str(path))
 
     def make_cache(

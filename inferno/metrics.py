@@ -23,12 +23,14 @@ class Startup:
     tokenizer_ms: float = 0.0  # building the tokenizer from the metadata, or from the cache
     cache_write_ms: float = 0.0  # writing the prepared-model cache entry (on a miss)
     model_cache: str = "off"  # "hit", "miss" (built from the file and written) or "off" (not written)
+    model_cache_bytes: int = 0  # the prepared-model cache entry's size on disk (0: none)
     imports_ms: float | None = None  # the command's imports and argument checks, before loading
 
     def to_json(self) -> dict:
         return {"imports_ms": self.imports_ms, "open_ms": self.open_ms, "weights_ms": self.weights_ms,
                 "tokenizer_ms": self.tokenizer_ms, "cache_write_ms": self.cache_write_ms,
-                "kernels_ms": self.jit_ms, "model_cache": self.model_cache}
+                "kernels_ms": self.jit_ms, "model_cache": self.model_cache,
+                "model_cache_bytes": self.model_cache_bytes}
 
 
 @dataclass

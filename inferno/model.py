@@ -244,7 +244,7 @@ class Transformer:
         batch = Ragged([caches] if single else list(caches), counts or [len(tokens)])  # type: ignore[list-item]
         if batch.n_tokens != len(tokens):
             raise ValueError(f"{len(tokens)} tokens for sequences of {batch.counts} new tokens")
-        matmul = batch_matmul if 1 < batch.n_tokens <= BATCH_ROWS else None
+        matmul = self._matmul_for(batch.n_tokens)
         c = self.config
         x = self._embed(tokens)
         for i, layer in enumerate(self.layers):
@@ -258,8 +258,15 @@ class Transformer:
             x = x + self._mlp(layer, x, matmul)
         batch.commit()
         rows = x if every_logit else x[batch.last_rows]
-        logits = self._logits(rows, batch_matmul if 1 < len(rows) <= BATCH_ROWS else None)
+        logits = self._logits(rows, self._matmul_for(len(rows)))
         return logits[0] if single and not every_logit else logits
+
+    def _matmul_for(self, n_rows: int) -> MatMul | None:
+        """The product for x of n_rows rows: None for one row (matvec) and for many (BLAS on dequantized
+        chunks), batch_matmul between, and for every row count with int8 activations, whose integer
+        dots outrun dequantizing for BLAS at any size."""
+        few = 1 < n_rows <= BATCH_ROWS or (n_rows > 1 and self.activations == "int8")
+        return batch_matmul if few else None
 
     def prefill(self, tokens: np.ndarray, cache: KVCache, every_logit: bool = False) -> np.ndarray:
         """`tokens` after the cache's committed tokens: logits of the last one (every_logit: [T, vocab]).

@@ -3,11 +3,13 @@ repacked into tiles, the tokenizer, the config, the fingerprint), written once a
 later starts, so they neither parse the metadata nor copy the weights.
 
 Where: $INFERNO_CACHE_DIR, else $XDG_CACHE_HOME/inferno, else ~/.cache/inferno; one entry per model
-path (a file named by the sha256 of the path), replaced when the model file changes. Deleting the
-directory clears it. An entry is used only when the model file's size, mtime and a sample of its
-content (its first and last MiB) are those it was built from, its format is this VERSION, and every
-array has the type and shape the config implies; anything else (stale, cut off, garbled) is rebuilt
-from the file. An entry that cannot be written is skipped: the cache only saves time.
+content, named by a hash of the file's size and a sample of its bytes (its first and last MiB and 16
+pieces between), so copies of one file at several paths share one entry. The directory holds at most
+$INFERNO_CACHE_BYTES (default DEFAULT_LIMIT; a number with an optional K, M or G; 0 turns the cache
+off): after writing an entry, the least recently used others are deleted until it fits. An entry is
+used only when its identity (that sample, the size, this VERSION) matches and every array has the type
+and shape the config implies; anything else (stale, cut off, garbled) is rebuilt from the file. An
+entry that cannot be written is skipped: the cache only saves time.
 
 An entry: the 16 bytes of MAGIC, the header's length (little-endian uint64), the JSON header, then
 each array at an offset (from the end of the header, padded to ALIGN) that the header lists with its
@@ -31,6 +33,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 
 from inferno.config import ModelConfig
+from inferno.errors import InfernoError
 from inferno.gguf_file import open_gguf
 from inferno.model import Transformer
 from inferno.quant import QuantizedMatrix
@@ -43,6 +46,9 @@ VERSION = 3  # bumped whenever what an entry holds, or the tile layout of quant.
 ALIGN = 64  # bytes: every array starts on a cache line
 SAMPLE_BYTES = 1 << 20  # of the model file's start and end, hashed into its identity
 CACHE_DIR_ENV = "INFERNO_CACHE_DIR"
+LIMIT_ENV = "INFERNO_CACHE_BYTES"
+DEFAULT_LIMIT = 8 << 30  # bytes of entries kept: a few models of a few GB
+SAMPLE_PIECES = 16  # pieces of SAMPLE_BYTES / 16 between the first and last MiB, hashed too
 
 
 @dataclass
@@ -53,6 +59,7 @@ class Prepared:
     tokenizer: GGUFTokenizer
     fingerprint: str
     cache: str = "off"  # "hit": read from the cache; "miss": built from the file, entry written; "off"
+    cache_bytes: int = 0  # the entry's size on disk (0: none)
     parts_ms: dict[str, float] = field(default_factory=dict)  # open, weights, tokenizer, cache_write
 
 
@@ -63,45 +70,85 @@ def cache_dir() -> Path:
     return Path(base) / "inferno"
 
 
+def cache_limit() -> int:
+    """The bytes the cache directory may hold ($INFERNO_CACHE_BYTES); 0: the cache is off."""
+    text = os.environ.get(LIMIT_ENV, "").strip()
+    if not text:
+        return DEFAULT_LIMIT
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+    number = text[:-1] if scale > 1 else text
+    if not number.isdigit():
+        raise InfernoError(f"{LIMIT_ENV}={text!r}: expected a number of bytes, optionally with K, M or G")
+    return int(number) * scale
+
+
 def entry_path(model_path: str | os.PathLike) -> Path:
     """The cache entry of the model at `model_path` (whether it exists or not)."""
-    resolved = str(Path(model_path).resolve())
-    return cache_dir() / f"{hashlib.sha256(resolved.encode()).hexdigest()[:32]}.model"
+    return cache_dir() / f"{identity(model_path)['sample_sha256'][:32]}.model"
 
 
 def identity(model_path: str | os.PathLike) -> dict:
-    """What must not have changed for an entry to stand for the file."""
+    """What must not have changed for an entry to stand for the file: its size and a sample of its
+    content, wherever the file lies."""
     path = Path(model_path).resolve()
     stat = path.stat()
     if not S_ISREG(stat.st_mode):  # a FIFO or device: read once, by open_gguf
         raise OSError(f"{path} is not a regular file")
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(str(stat.st_size).encode())
+    piece = SAMPLE_BYTES // SAMPLE_PIECES
     with path.open("rb") as f:
         digest.update(f.read(SAMPLE_BYTES))
+        for k in range(1, SAMPLE_PIECES + 1):
+            f.seek(stat.st_size * k // (SAMPLE_PIECES + 1))
+            digest.update(f.read(piece))
         f.seek(max(SAMPLE_BYTES, stat.st_size - SAMPLE_BYTES))
         digest.update(f.read(SAMPLE_BYTES))
-    return {"version": VERSION, "path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-            "sample_sha256": digest.hexdigest()}
+    return {"version": VERSION, "size": stat.st_size, "sample_sha256": digest.hexdigest()}
 
 
 def load(model_path: str | os.PathLike) -> Prepared:
     """The model at `model_path`, from its cache entry when that is valid, else from the file (and the
     entry then written). Bad model files raise InfernoError as `open_gguf` and the model's checks do."""
+    limit = cache_limit()
     try:
-        entry, ident = entry_path(model_path), identity(model_path)
+        ident = identity(model_path) if limit else None
+        entry = cache_dir() / f"{ident['sample_sha256'][:32]}.model" if ident else None
     except OSError:  # no such file, unreadable, no home directory: open_gguf says what is wrong
         entry = ident = None
     if entry is not None:
         try:
-            return _read(entry, ident)
+            prepared = _read(entry, ident)
+            with contextlib.suppress(OSError):
+                os.utime(entry)  # most recently used
+            return prepared
         except Exception:  # absent, stale, cut off or garbled: any of it means rebuild
             pass
     prepared, built = _build(model_path)
     if entry is not None:
         t = perf_counter()
-        prepared.cache = "miss" if _write(entry, ident, prepared, built) else "off"
+        if _write(entry, ident, prepared, built):
+            prepared.cache, prepared.cache_bytes = "miss", entry.stat().st_size
+            _evict(entry.parent, limit, keep=entry)
         prepared.parts_ms["cache_write"] = (perf_counter() - t) * 1000
     return prepared
+
+
+def _evict(directory: Path, limit: int, keep: Path) -> None:
+    """Delete the least recently used entries but `keep` until the directory's entries fit in `limit`
+    bytes (`keep` stays even when it alone is larger: it was just asked for)."""
+    entries = []
+    for path in directory.glob("*.model"):
+        with contextlib.suppress(OSError):
+            stat = path.stat()
+            entries.append((stat.st_mtime_ns, stat.st_size, path))
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries):
+        if total <= limit:
+            break
+        if path != keep:
+            with contextlib.suppress(OSError):
+                path.unlink()
+                total -= size
 
 
 def _build(model_path: str | os.PathLike) -> tuple[Prepared, dict]:
@@ -198,7 +245,7 @@ def _read(entry: Path, ident: dict) -> Prepared:
         raise ValueError("more tokens than embedding rows")
     t3 = perf_counter()
     parts = {"open": (t1 - t0) * 1000, "weights": (t2 - t1) * 1000, "tokenizer": (t3 - t2) * 1000}
-    return Prepared(model, tokenizer, str(header["fingerprint"]), "hit", parts)
+    return Prepared(model, tokenizer, str(header["fingerprint"]), "hit", size, parts)
 
 
 class _CachedWeights:

@@ -13,6 +13,7 @@ import pytest
 from conftest import FIXTURES, greedy
 
 from inferno import prepared
+from inferno.errors import InfernoError
 from inferno.kv import make_cache
 
 TINY = FIXTURES / "tiny_qwen2.gguf"  # biases as well as norms and stacked matrices
@@ -65,8 +66,7 @@ def test_a_second_load_reads_the_entry_and_computes_the_same(cache_dir, model_fi
 def test_a_changed_model_file_is_rebuilt(cache_dir, model_file):
     prepared.load(model_file)
     stat = model_file.stat()
-    os.utime(model_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-    assert prepared.load(model_file).cache == "miss"
+    os.utime(model_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touched: the same content
     assert prepared.load(model_file).cache == "hit"
     # the same size and mtime, other content: the content sample tells them apart
     data = bytearray(model_file.read_bytes())
@@ -75,6 +75,47 @@ def test_a_changed_model_file_is_rebuilt(cache_dir, model_file):
     model_file.write_bytes(bytes(data))
     os.utime(model_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert prepared.load(model_file).cache == "miss"
+    assert prepared.load(model_file).cache == "hit"
+
+
+def test_copies_of_one_file_share_one_entry(cache_dir, model_file, tmp_path):
+    copy = tmp_path / "elsewhere" / "copy.gguf"
+    copy.parent.mkdir()
+    shutil.copyfile(model_file, copy)
+    first = prepared.load(model_file)
+    assert first.cache == "miss" and first.cache_bytes == prepared.entry_path(model_file).stat().st_size
+    second = prepared.load(copy)
+    assert second.cache == "hit" and second.cache_bytes == first.cache_bytes
+    assert len(list(cache_dir.glob("*.model"))) == 1
+
+
+def test_the_least_recently_used_entries_go_when_the_cache_is_full(cache_dir, model_file, tmp_path, monkeypatch):
+    others = []
+    for k in range(3):  # three models of other content
+        path = tmp_path / f"other{k}.gguf"
+        data = bytearray(model_file.read_bytes())
+        data[-1 - k] ^= 0xFF
+        path.write_bytes(bytes(data))
+        others.append(path)
+    size = prepared.load(model_file).cache_bytes
+    monkeypatch.setenv(prepared.LIMIT_ENV, str(2 * size + size // 2))  # room for two entries
+    prepared.load(others[0])
+    assert prepared.load(model_file).cache == "hit"  # used again: now the most recent
+    prepared.load(others[1])  # a third entry: the least recently used (others[0]) goes
+    assert not prepared.entry_path(others[0]).exists()
+    assert prepared.entry_path(model_file).exists() and prepared.entry_path(others[1]).exists()
+    monkeypatch.setenv(prepared.LIMIT_ENV, "1K")  # smaller than any entry: the new one alone stays
+    prepared.load(others[2])
+    assert [p.name for p in cache_dir.glob("*.model")] == [prepared.entry_path(others[2]).name]
+
+
+def test_a_cache_limit_of_zero_turns_it_off_and_a_bad_one_is_one_error(cache_dir, model_file, monkeypatch):
+    monkeypatch.setenv(prepared.LIMIT_ENV, "0")
+    ready = prepared.load(model_file)
+    assert (ready.cache, ready.cache_bytes) == ("off", 0) and not cache_dir.exists()
+    monkeypatch.setenv(prepared.LIMIT_ENV, "lots")
+    with pytest.raises(InfernoError, match="INFERNO_CACHE_BYTES='lots'"):
+        prepared.load(model_file)
 
 
 def rewrite_header(entry, change) -> None:
