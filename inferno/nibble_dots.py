@@ -222,7 +222,9 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, kind, n_parts):
 
         packing = PACKED.get(kind_, Packing(1, 2, 32, 0, 0))
         per = packing.sub_blocks
-        stored, sub = (builder.udiv(b_v, const(per)), builder.urem(b_v, const(per))) if per > 1 else (b_v, const(0))
+        stored, sub = (b_v, const(0))
+        if per > 1:  # b's block of the tile, and which of its sub-blocks
+            stored, sub = builder.udiv(b_v, const(per)), builder.urem(b_v, const(per))
         block_first = builder.mul(stored, builder.mul(type_size, lanes))
 
         def tile_bytes(byte_row: int | ir.Value, offset: ir.Value, vector: ir.Type) -> ir.Value:
@@ -286,7 +288,8 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, kind, n_parts):
                 nibbles = (builder.and_(quad, byte_splat(15)), builder.lshr(quad, byte_splat(4)))
                 for half, value in enumerate(nibbles):
                     if packing.high_bits:  # Q5_0: bit k + 4 half of the plane; Q6_K: bits 2k.. of plane half
-                        plane, bit = (planes[0], k + 4 * half) if packing.high_bits == 1 else (planes[half], 2 * k)
+                        one = packing.high_bits == 1
+                        plane, bit = (planes[0], k + 4 * half) if one else (planes[half], 2 * k)
                         mask = (1 << packing.high_bits) - 1
                         high = builder.and_(builder.lshr(plane, byte_splat(bit)), byte_splat(mask))
                         value = builder.or_(value, builder.shl(high, byte_splat(4)))
@@ -329,8 +332,9 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, kind, n_parts):
             row_scale = load_splat(scale_t, scale_v, cell)
             if halves == 2:
                 sc0, sc1 = half_sums_scale
-                total = builder.fadd(builder.fmul(sc0, combined(totals[0])), builder.fmul(sc1, combined(totals[1])))
-                half_cell = builder.add(builder.mul(i, builder.mul(blocks, const(2))), builder.mul(b_v, const(2)))
+                total = builder.fadd(builder.fmul(sc0, combined(totals[0])),
+                                     builder.fmul(sc1, combined(totals[1])))
+                half_cell = builder.mul(builder.add(builder.mul(i, blocks), b_v), const(2))
                 s0 = load_splat(sums_t, sums_v, half_cell)
                 s1 = load_splat(sums_t, sums_v, builder.add(half_cell, const(1)))
                 offsets = builder.fadd(builder.fmul(sc0, s0), builder.fmul(sc1, s1))

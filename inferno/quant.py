@@ -293,7 +293,8 @@ def _repack_q5_0(blocks: np.ndarray, tiles: np.ndarray) -> None:
     """Q5_0 [tile, block, 22, lane]: d, then the 5th bits as one plane word, then the nibble quads."""
     tiles[:, :, :2] = blocks[:, :, :2]
     fifth = [(blocks[:, :, 2 + v // 8] >> (v % 8)) & 1 for v in range(32)]  # value v's 5th bit
-    plane = [sum(fifth[4 * m + i if m < 4 else 16 + 4 * (m - 4) + i] << m for m in range(8)) for i in range(4)]
+    value = [[4 * m + i if m < 4 else 16 + 4 * (m - 4) + i for m in range(8)] for i in range(4)]
+    plane = [sum(fifth[v] << m for m, v in enumerate(value[i])) for i in range(4)]
     tiles[:, :, 2:6] = _quads(np.stack(plane, axis=2).astype(np.uint8))
     tiles[:, :, 6:22] = _quads(blocks[:, :, 6:22])
 
@@ -335,8 +336,10 @@ def _repack_q6_k(blocks: np.ndarray, tiles: np.ndarray) -> None:
     low = low.reshape(n, nblocks, 8, 32, lanes)  # sub-block j = 4h + s
     high = high.reshape(n, nblocks, 8, 32, lanes)
     nibbles = low[:, :, :, :16] | (low[:, :, :, 16:] << 4)
-    planes = [sum(high[:, :, :, 16 * p + 4 * k : 16 * p + 4 * k + 4] << 2 * k for k in range(4)) for p in range(2)]
-    record = np.concatenate([_quads(nibbles), _quads(np.concatenate(planes, axis=3).astype(np.uint8))], axis=3)
+    planes = [sum(high[:, :, :, 16 * p + 4 * k : 16 * p + 4 * k + 4] << 2 * k for k in range(4))
+              for p in range(2)]
+    planes = _quads(np.concatenate(planes, axis=3).astype(np.uint8))
+    record = np.concatenate([_quads(nibbles), planes], axis=3)
     tiles[:, :, 18:210] = record.reshape(n, nblocks, 192, lanes)
 
 
@@ -478,8 +481,8 @@ def _deq_packed(w, r0, r1, out, kind, per, quads, stride, high_bits, planes):
                             elif kind == Q6_K:
                                 dl = d * np.float32(np.int8(w[b, 2 + 2 * j + half, r]))
                             for i in range(4):
-                                v = _packed_value(words, b, quads + stride * j, planes + stride * j, high_bits,
-                                                  k, q, c, i, half)
+                                v = _packed_value(words, b, quads + stride * j, planes + stride * j,
+                                                  high_bits, k, q, c, i, half)
                                 if kind == Q4_0:
                                     out[e + i, r - r0] = d * np.float32(v - 8)
                                 elif kind == Q4_1:

@@ -89,7 +89,8 @@ def test_copies_of_one_file_share_one_entry(cache_dir, model_file, tmp_path):
     assert len(list(cache_dir.glob("*.model"))) == 1
 
 
-def test_the_least_recently_used_entries_go_when_the_cache_is_full(cache_dir, model_file, tmp_path, monkeypatch):
+def test_the_least_recently_used_entries_go_when_the_cache_is_full(cache_dir, model_file, tmp_path,
+                                                                   monkeypatch):
     others = []
     for k in range(3):  # three models of other content
         path = tmp_path / f"other{k}.gguf"

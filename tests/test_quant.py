@@ -258,7 +258,8 @@ def test_packed_dots_of_every_type_on_both_instruction_paths(tmp_path, monkeypat
     if n_parts == 4:
         assert_close(acc[:, :16], w, x)
     else:
-        bound = np.abs(w.astype(np.float64)) @ np.repeat(np.abs(x.reshape(2, -1, 32)).max(axis=2), 32, 1).T / 254
+        steps = np.repeat(np.abs(x.reshape(2, -1, 32)).max(axis=2), 32, axis=1)  # max|x| of each block
+        bound = np.abs(w.astype(np.float64)) @ steps.T / 254
         assert np.all(np.abs(acc[:, :16] - x @ w.T) <= bound.T * 1.001 + 1e-4)
     assert not acc[:, 16:].any()
     assert ("vpdpbusd" in dots.inspect_asm(dots.signatures[0])) == vnni
