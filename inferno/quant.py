@@ -38,6 +38,7 @@ from inferno.jit import njit
 from inferno.kernels import float_from_bits, prefetch_ahead
 from inferno.nibble_dots import ACTIVATIONS, PACKED, first_part_sums, half_sums, quant_dots, split_activations
 from inferno.nibble_dots import LANES as NIBBLE_LANES
+from inferno.repack import TILE_BYTES, repack
 
 TILE_ROWS = 32  # lanes per tile: full SIMD loops, yet enough tiles to share small matrices between threads
 WIDE_TILE_ROWS = 64  # for 4-bit blocks, whose matvec measured 1.2x faster on 64 lanes (Q8_0: 1.4x slower)
@@ -56,7 +57,6 @@ Q8_0, Q4_0, Q4_1 = int(QType.Q8_0), int(QType.Q4_0), int(QType.Q4_1)
 Q5_0, Q5_1 = int(QType.Q5_0), int(QType.Q5_1)
 Q4_K, Q5_K, Q6_K = int(QType.Q4_K), int(QType.Q5_K), int(QType.Q6_K)
 K_SUB_BLOCKS = PACKED[Q4_K].sub_blocks
-TILE_BYTES = {Q4_K: 148}  # bytes per block in tiles, where repacking changes the file's (see _repack_q4_k)
 
 
 def integer_parts(kind: int, activations: str) -> int:
@@ -274,76 +274,7 @@ def _read_tiles(tensor: gguf.ReaderTensor, rows: int, tiles: np.ndarray) -> None
             chunk = np.zeros(n * lanes * row_bytes, np.uint8)
             if f.readinto(memoryview(chunk)[:want]) != want:
                 raise InfernoError(f"tensor {tensor.name}: file ends inside the tensor's data")
-            blocks = chunk.reshape(n, lanes, nblocks, type_size).transpose(0, 2, 3, 1)
-            _REPACK.get(kind, _copy)(blocks, tiles[t : t + n])
-
-
-def _copy(blocks: np.ndarray, tiles: np.ndarray) -> None:
-    tiles[:] = blocks
-
-
-def _repack_q4(blocks: np.ndarray, tiles: np.ndarray) -> None:
-    """Q4_0, Q4_1: the scales as they are, the 16 nibble bytes as quads."""
-    qs = PACKED[Q4_0].quads if blocks.shape[2] == 18 else PACKED[Q4_1].quads
-    tiles[:, :, :qs] = blocks[:, :, :qs]
-    tiles[:, :, qs:] = _quads(blocks[:, :, qs:])
-
-
-def _repack_q5_0(blocks: np.ndarray, tiles: np.ndarray) -> None:
-    """Q5_0 [tile, block, 22, lane]: d, then the 5th bits as one plane word, then the nibble quads."""
-    tiles[:, :, :2] = blocks[:, :, :2]
-    fifth = [(blocks[:, :, 2 + v // 8] >> (v % 8)) & 1 for v in range(32)]  # value v's 5th bit
-    value = [[4 * m + i if m < 4 else 16 + 4 * (m - 4) + i for m in range(8)] for i in range(4)]
-    plane = [sum(fifth[v] << m for m, v in enumerate(value[i])) for i in range(4)]
-    tiles[:, :, 2:6] = _quads(np.stack(plane, axis=2).astype(np.uint8))
-    tiles[:, :, 6:22] = _quads(blocks[:, :, 6:22])
-
-
-def _quads(rows: np.ndarray) -> np.ndarray:
-    """Bytes [..., 4k, lane] -> k words of 4 bytes per lane [..., k, lane, 4] (see the module's Layout),
-    returned as [..., 4k, lane]: nibble bytes (byte t: values t and t + 16) become quads."""
-    *outer, n, lanes = rows.shape
-    return rows.reshape(*outer, n // 4, 4, lanes).swapaxes(-1, -2).reshape(*outer, n, lanes)
-
-
-def _repack_q4_k(blocks: np.ndarray, tiles: np.ndarray) -> None:
-    """Q4_K blocks [tile, block, 144, lane] as the file holds them -> tiles [tile, block, 148, lane]:
-    d and dmin, the eight 6-bit scales and minimums one byte each, and each sub-block of 32 values as
-    Q4_0's nibble quads (inferno.nibble_dots.NIBBLES_AT)."""
-    tiles[:, :, :4] = blocks[:, :, :4]
-    s = blocks[:, :, 4:16].astype(np.uint8)  # the packed scales: bytes 0-11
-    tiles[:, :, 4:8] = s[:, :, 0:4] & 63
-    tiles[:, :, 12:16] = s[:, :, 4:8] & 63
-    tiles[:, :, 8:12] = (s[:, :, 8:12] & 15) | ((s[:, :, 0:4] >> 6) << 4)
-    tiles[:, :, 16:20] = (s[:, :, 8:12] >> 4) | ((s[:, :, 4:8] >> 6) << 4)
-    qs = blocks[:, :, 16:144].reshape(*blocks.shape[:2], 4, 32, blocks.shape[3])
-    values = np.stack([qs & 15, qs >> 4], axis=3)  # [tile, block, pair c, sub-block 2c + h, 32, lane]
-    values = values.reshape(*blocks.shape[:2], 8, 32, blocks.shape[3])
-    nibbles = values[:, :, :, :16] | (values[:, :, :, 16:] << 4)
-    tiles[:, :, 20:148] = _quads(nibbles).reshape(*blocks.shape[:2], 128, blocks.shape[3])
-
-
-def _repack_q6_k(blocks: np.ndarray, tiles: np.ndarray) -> None:
-    """Q6_K [tile, block, 210, lane]: d, the 16 int8 scales, then each sub-block of 32 values as nibble
-    quads and two plane words of its high 2 bits (inferno.nibble_dots.Packing)."""
-    n, nblocks, _, lanes = blocks.shape
-    tiles[:, :, 0:2] = blocks[:, :, 208:210]
-    tiles[:, :, 2:18] = blocks[:, :, 192:208]
-    ql = blocks[:, :, 0:128].reshape(n, nblocks, 2, 2, 32, lanes)  # [half h, run s & 1, i]
-    qh = blocks[:, :, 128:192].reshape(n, nblocks, 2, 1, 32, lanes)  # [half h, -, i]
-    low = np.stack([ql[:, :, :, 0] & 15, ql[:, :, :, 1] & 15, ql[:, :, :, 0] >> 4, ql[:, :, :, 1] >> 4], 3)
-    high = np.concatenate([(qh >> 2 * s) & 3 for s in range(4)], axis=3)
-    low = low.reshape(n, nblocks, 8, 32, lanes)  # sub-block j = 4h + s
-    high = high.reshape(n, nblocks, 8, 32, lanes)
-    nibbles = low[:, :, :, :16] | (low[:, :, :, 16:] << 4)
-    planes = [sum(high[:, :, :, 16 * p + 4 * k : 16 * p + 4 * k + 4] << 2 * k for k in range(4))
-              for p in range(2)]
-    planes = _quads(np.concatenate(planes, axis=3).astype(np.uint8))
-    record = np.concatenate([_quads(nibbles), planes], axis=3)
-    tiles[:, :, 18:210] = record.reshape(n, nblocks, 192, lanes)
-
-
-_REPACK = {Q4_0: _repack_q4, Q4_1: _repack_q4, Q5_0: _repack_q5_0, Q4_K: _repack_q4_k, Q6_K: _repack_q6_k}
+            repack(chunk.reshape(n * lanes, nblocks, type_size), tiles[t : t + n], kind)
 
 
 def _open_tensor_bytes(tensor: gguf.ReaderTensor) -> BinaryIO:
