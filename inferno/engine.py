@@ -22,8 +22,8 @@ from time import perf_counter
 import numpy as np
 
 from inferno import arguments, kernels, prepared
-from inferno.config import ModelConfig
 from inferno.errors import InfernoError
+from inferno.file.config import ModelConfig
 from inferno.kv import DEFAULT_DTYPE, DTYPES, KINDS, KVCache, cache_class, make_cache
 from inferno.kv.paged import BLOCK_SIZE, BlockPool, PagedKVCache
 from inferno.metrics import RunRecord, Startup

@@ -21,8 +21,8 @@ import numpy as np
 from gguf import GGUFReader
 
 from inferno import kernels
-from inferno.config import ModelConfig
 from inferno.errors import InfernoError
+from inferno.file.config import ModelConfig
 from inferno.kv import KVCache
 from inferno.quant import QuantizedMatrix, tensor_to_float32, uses_blas
 from inferno.quant_batch import batch_matmul

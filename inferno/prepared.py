@@ -30,8 +30,8 @@ from time import perf_counter
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
-from inferno.config import ModelConfig
-from inferno.gguf_file import open_gguf
+from inferno.file.config import ModelConfig
+from inferno.file.reader import open_gguf
 from inferno.model import Transformer
 from inferno.quant import QuantizedMatrix
 from inferno.snapshot import model_fingerprint

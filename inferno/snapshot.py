@@ -42,8 +42,8 @@ from gguf import GGUFReader
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save
 
-from inferno.config import ModelConfig
 from inferno.errors import InfernoError
+from inferno.file.config import ModelConfig
 from inferno.kv import KVCache, KVGeometry
 from inferno.kv.dtypes import F32, element_type
 

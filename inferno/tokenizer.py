@@ -15,7 +15,7 @@ import gguf
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from inferno.errors import InfernoError
-from inferno.gguf_file import metadata, metadata_list
+from inferno.file.reader import metadata, metadata_list
 
 # tokenizer.ggml.token_type values
 CONTROL = 3

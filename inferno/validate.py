@@ -23,8 +23,8 @@ import gguf
 import numpy as np
 from gguf import GGUFReader
 
-from inferno.config import ModelConfig
 from inferno.errors import InfernoError
+from inferno.file.config import ModelConfig
 from inferno.quant import _check_supported as supported_type
 
 if TYPE_CHECKING:

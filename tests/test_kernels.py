@@ -8,7 +8,7 @@ import pytest
 from numba import njit
 
 from inferno import kernels
-from inferno.config import ModelConfig
+from inferno.file.config import ModelConfig
 from inferno.model import rope_frequencies
 
 rng = np.random.default_rng(0)

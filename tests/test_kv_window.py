@@ -11,7 +11,7 @@ from conftest import FIXTURES
 
 from inferno.cli.generate import main as generate_main
 from inferno.errors import InfernoError
-from inferno.gguf_file import open_gguf
+from inferno.file.reader import open_gguf
 from inferno.kernels import Rotary, attention_window
 from inferno.kv import KVCacheFullError, KVGeometry, make_cache, planned_nbytes
 from inferno.kv.dtypes import element_type

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import FIXTURES
 
-from inferno.gguf_file import open_gguf
+from inferno.file.reader import open_gguf
 from inferno.kv import make_cache
 from inferno.model import Transformer
 

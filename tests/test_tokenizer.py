@@ -13,7 +13,7 @@ import gguf
 import pytest
 
 from inferno.errors import InfernoError
-from inferno.gguf_file import open_gguf
+from inferno.file.reader import open_gguf
 from inferno.tokenizer import CONTROL, USER_DEFINED, GGUFTokenizer, StreamDecoder
 
 ROOT = Path(__file__).resolve().parents[1]

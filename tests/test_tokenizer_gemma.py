@@ -14,7 +14,7 @@ import pytest
 from conftest import FIXTURES
 from test_tokenizer import stream, write_variant
 
-from inferno.gguf_file import open_gguf
+from inferno.file.reader import open_gguf
 from inferno.tokenizer import GGUFTokenizer
 
 FIXTURE = json.loads((FIXTURES / "tokenizer_gemma3.json").read_text(encoding="utf-8"))

@@ -63,7 +63,7 @@ def compile_worker(model: Path) -> None:
 
     t0 = time.perf_counter()
     from inferno import quant
-    from inferno.gguf_file import open_gguf
+    from inferno.file.reader import open_gguf
 
     print(f"  import inferno.quant: {time.perf_counter() - t0:.2f} s")
     reader = open_gguf(model)
@@ -93,7 +93,7 @@ def bench_worker(model: Path, threads: int, seconds: float) -> None:
     import numpy as np
 
     from inferno import quant
-    from inferno.gguf_file import open_gguf
+    from inferno.file.reader import open_gguf
     from inferno.model import Transformer
 
     numba.set_num_threads(threads)

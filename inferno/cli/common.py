@@ -252,7 +252,7 @@ def looks_like_model(arg: str) -> bool:
 
 
 def is_gguf_file(path: str) -> bool:
-    from inferno.gguf_file import GGUF_MAGIC  # here: kv-memcalc by flags starts without numpy
+    from inferno.file.reader import GGUF_MAGIC  # here: kv-memcalc by flags starts without numpy
 
     try:
         with open(path, "rb") as f:

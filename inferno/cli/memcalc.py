@@ -77,7 +77,7 @@ POSITIVE = PositiveInt()
 
 def read_model(path: str) -> tuple[ModelInfo, Weights]:
     # Imported here so sizing by flags alone starts without loading the GGUF reader.
-    from inferno.gguf_file import metadata, open_gguf
+    from inferno.file.reader import metadata, open_gguf
 
     reader = open_gguf(path)
 
@@ -412,8 +412,8 @@ def runtime_bytes(
     """Replace the report's bytes with what `model-generate --kv kind --kv-dtype dtype --max-context N`
     (and `--window W` for --kv window: `--sliding-window W` here) allocates for this model: the cache's
     own planned_nbytes, so the two always agree."""
-    from inferno.config import ModelConfig
-    from inferno.gguf_file import open_gguf
+    from inferno.file.config import ModelConfig
+    from inferno.file.reader import open_gguf
     from inferno.kv import cache_class, planned_nbytes
 
     if model_path is None:

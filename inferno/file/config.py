@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from gguf import GGUFReader
 
 from inferno.errors import InfernoError
-from inferno.gguf_file import architecture, metadata
+from inferno.file.reader import architecture, metadata
 from inferno.kv.geometry import KVGeometry
 
 # How each supported architecture differs from plain llama.
