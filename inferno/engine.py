@@ -31,7 +31,7 @@ from inferno.model import BATCH_ROWS, Transformer
 from inferno.quant import MATMUL_MIN_ROWS
 from inferno.sampling import Sampler
 from inferno.scheduler import Generation, Request, Scheduler
-from inferno.tokenizer import GGUFTokenizer
+from inferno.text.tokenizer import GGUFTokenizer
 from inferno.validate import check_logits, refusing_non_finite
 
 # progress("loading model.gguf") returns a context manager around that step (a spinner, a log line).

@@ -35,7 +35,7 @@ from inferno.file.reader import open_gguf
 from inferno.model import Transformer
 from inferno.quant import QuantizedMatrix
 from inferno.snapshot import model_fingerprint
-from inferno.tokenizer import GGUFTokenizer
+from inferno.text.tokenizer import GGUFTokenizer
 from inferno.validate import check_config, expected_tensors
 
 MAGIC = b"INFERNO-PREPARED"

@@ -34,9 +34,9 @@ from inferno.kv import KVCache
 from inferno.kv.paged import BlockPool, PagedKVCache
 from inferno.metrics import Metrics
 from inferno.model import PREFILL_CHUNK, Transformer
-from inferno.output_text import OutputText
 from inferno.sampling import Sampler
-from inferno.tokenizer import GGUFTokenizer
+from inferno.text.output_text import OutputText
+from inferno.text.tokenizer import GGUFTokenizer
 from inferno.validate import check_logits, refusing_non_finite
 
 # make_cache(prompt_tokens, new_tokens) -> the cache of a new request (refusing one that cannot fit)

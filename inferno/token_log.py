@@ -13,7 +13,7 @@ import numpy as np
 
 from inferno.kv import KVCache
 from inferno.scheduler import Generation
-from inferno.tokenizer import GGUFTokenizer
+from inferno.text.tokenizer import GGUFTokenizer
 
 EOS_LINE = "[EOS reached]"
 

@@ -221,7 +221,7 @@ TEMPLATES = {
 
 @pytest.mark.parametrize("name", TEMPLATES)
 def test_a_hostile_chat_template_is_one_line_naming_its_source(name):
-    from inferno.chat_template import render
+    from inferno.text.chat_template import render
 
     template, fragment = TEMPLATES[name]
     t = time.perf_counter()
@@ -235,7 +235,7 @@ def test_a_hostile_chat_template_is_one_line_naming_its_source(name):
 
 
 def test_a_chat_template_that_never_ends_is_stopped(monkeypatch):
-    from inferno import chat_template
+    from inferno.text import chat_template
 
     monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.3)
     loops = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
@@ -246,7 +246,7 @@ def test_a_chat_template_that_never_ends_is_stopped(monkeypatch):
 
 
 def test_ordinary_templates_still_render():
-    from inferno.chat_template import render
+    from inferno.text.chat_template import render
 
     text = render("{% for m in messages %}<|{{ m.role }}|>{{ m.content | trim }}{{ '%d' % loop.index }}"
                   "{% endfor %}{{ ['a', 'b'] | join(', ') }}{{ 'x' ~ 1 }}{{ 'x'.center(5) }}",

@@ -14,7 +14,7 @@ import pytest
 
 from inferno.errors import InfernoError
 from inferno.file.reader import open_gguf
-from inferno.tokenizer import CONTROL, USER_DEFINED, GGUFTokenizer, StreamDecoder
+from inferno.text.tokenizer import CONTROL, USER_DEFINED, GGUFTokenizer, StreamDecoder
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = json.loads((ROOT / "tests" / "fixtures" / "tokenizer_smollm2.json").read_text(encoding="utf-8"))

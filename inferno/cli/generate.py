@@ -259,9 +259,9 @@ def command(args, max_tokens, kv, kv_dtype, max_context, block_size, num_samples
 
     from inferno.engine import Engine
     from inferno.metrics import Metrics
-    from inferno.output_text import OutputText
     from inferno.scheduler import Generation, Request
     from inferno.snapshot import Snapshot
+    from inferno.text.output_text import OutputText
 
     err = console(stderr=True)
     err.quiet = quiet  # --quiet: no progress, no metrics, no prompt echo on stderr

@@ -42,7 +42,7 @@ from inferno.serve.protocol import (
     error_body,
     parse,
 )
-from inferno.tokenizer import GGUFTokenizer
+from inferno.text.tokenizer import GGUFTokenizer
 
 SEED_RANGE = 2**63
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from inferno.errors import InfernoError
-from inferno.tokenizer import GGUFTokenizer, StreamDecoder
+from inferno.text.tokenizer import GGUFTokenizer, StreamDecoder
 
 
 class OutputText:

@@ -262,7 +262,7 @@ class GGUFTokenizer:
         if template is None:
             raise InfernoError("this GGUF has no chat template (tokenizer.chat_template): "
                                "give one with --chat-template FILE")
-        from inferno.chat_template import render  # jinja2 is imported only by runs that use a template
+        from inferno.text.chat_template import render  # jinja2 is imported only by runs that use a template
 
         return render(template, template_source=source, messages=messages, tools=None, documents=None,
                       add_generation_prompt=add_generation_prompt, **self._special_tokens)
