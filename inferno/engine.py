@@ -21,14 +21,15 @@ from time import perf_counter
 
 import numpy as np
 
-from inferno import arguments, kernels, prepared
+from inferno import arguments, prepared
 from inferno.errors import InfernoError
 from inferno.file.config import ModelConfig
+from inferno.kernels import attention
+from inferno.kernels.quant import MATMUL_MIN_ROWS
 from inferno.kv import DEFAULT_DTYPE, DTYPES, KINDS, KVCache, cache_class, make_cache
 from inferno.kv.paged import BLOCK_SIZE, BlockPool, PagedKVCache
 from inferno.metrics import RunRecord, Startup
 from inferno.model import BATCH_ROWS, Transformer
-from inferno.quant import MATMUL_MIN_ROWS
 from inferno.sampling import Sampler
 from inferno.scheduler import Generation, Request, Scheduler
 from inferno.text.tokenizer import GGUFTokenizer
@@ -357,9 +358,9 @@ def warm_up(model: Transformer, cache: KVCache | None = None) -> None:
 def warm_up_matmul(model: Transformer) -> None:
     """The BLAS matmul of each block type the layers hold, on one tile (a prompt long enough to take
     that path would dequantize every weight to warm it), and prefill attention over query blocks, on
-    a prompt just long enough to take that path (kernels.ROWWISE_PAIRS)."""
+    a prompt just long enough to take that path (attention.ROWWISE_PAIRS)."""
     for matrix in {m.qtype: m for m in model.layer_matrices()}.values():
         matrix.first_tile().matmul(np.zeros((MATMUL_MIN_ROWS, matrix.cols), np.float32))
-    g, n = model.config.kv_geometry, math.isqrt(kernels.ROWWISE_PAIRS) + 1
+    g, n = model.config.kv_geometry, math.isqrt(attention.ROWWISE_PAIRS) + 1
     kv = np.zeros((n, g.kv_width), np.float32)
-    kernels.attention_prefill(np.zeros((n, g.heads * g.head_dim), np.float32), kv, kv, g.heads, 0)
+    attention.attention_prefill(np.zeros((n, g.heads * g.head_dim), np.float32), kv, kv, g.heads, 0)

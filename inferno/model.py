@@ -20,12 +20,12 @@ import gguf
 import numpy as np
 from gguf import GGUFReader
 
-from inferno import kernels
 from inferno.errors import InfernoError
 from inferno.file.config import ModelConfig
+from inferno.kernels import ops
+from inferno.kernels.quant import QuantizedMatrix, tensor_to_float32, uses_blas
+from inferno.kernels.quant_batch import batch_matmul
 from inferno.kv import KVCache
-from inferno.quant import QuantizedMatrix, tensor_to_float32, uses_blas
-from inferno.quant_batch import batch_matmul
 from inferno.ragged import Ragged
 from inferno.validate import check_finite_weights, check_model_file
 
@@ -153,7 +153,7 @@ class Transformer:
         self.activations = "f32"  # how the matrix-vector products take activations (set_activations)
         bases = {base: rope_frequencies(config, base) for base in set(config.layer_rope_bases)}
         self.layer_inv_freq = [bases[base] for base in config.layer_rope_bases]
-        self.layer_rotary = [kernels.Rotary(f, config.rope_neox) for f in self.layer_inv_freq]
+        self.layer_rotary = [ops.Rotary(f, config.rope_neox) for f in self.layer_inv_freq]
 
     @classmethod
     def from_gguf(cls, reader: GGUFReader) -> Transformer:
@@ -248,9 +248,9 @@ class Transformer:
         c = self.config
         x = self._embed(tokens)
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, kernels.rmsnorm(x, layer.attn_norm, c.rms_eps), matmul)
-            kernels.rope_at(q, batch.positions, c.n_heads, self.layer_inv_freq[i], c.rope_neox)
-            kernels.rope_at(k, batch.positions, c.n_kv_heads, self.layer_inv_freq[i], c.rope_neox)
+            q, k, v = self._qkv(layer, ops.rmsnorm(x, layer.attn_norm, c.rms_eps), matmul)
+            ops.rope_at(q, batch.positions, c.n_heads, self.layer_inv_freq[i], c.rope_neox)
+            ops.rope_at(k, batch.positions, c.n_kv_heads, self.layer_inv_freq[i], c.rope_neox)
             if queries is not None:
                 queries.append(q[-1])
             attn = batch.attend(i, q, k, v, c.n_heads, c.layer_windows[i])
@@ -296,8 +296,8 @@ class Transformer:
             k += layer.bk
             v += layer.bv
         if layer.q_norm is not None:
-            kernels.rms_norm_heads(q, c.n_heads, layer.q_norm, c.rms_eps)
-            kernels.rms_norm_heads(k, c.n_kv_heads, layer.k_norm, c.rms_eps)
+            ops.rms_norm_heads(q, c.n_heads, layer.q_norm, c.rms_eps)
+            ops.rms_norm_heads(k, c.n_kv_heads, layer.k_norm, c.rms_eps)
         return q, k, v
 
     def _embed(self, tokens: np.ndarray) -> np.ndarray:
@@ -307,17 +307,17 @@ class Transformer:
         return x
 
     def _post_norm(self, out: np.ndarray, weight: np.ndarray | None) -> np.ndarray:
-        return out if weight is None else kernels.rmsnorm(out, weight, self.config.rms_eps)
+        return out if weight is None else ops.rmsnorm(out, weight, self.config.rms_eps)
 
     def _mlp(self, layer: Layer, x: np.ndarray, matmul: MatMul | None = None) -> np.ndarray:
-        h = kernels.rmsnorm(x, layer.ffn_norm, self.config.rms_eps)
+        h = ops.rmsnorm(x, layer.ffn_norm, self.config.rms_eps)
         gate, up = layer.gate_up(h, matmul)
         gated = ACTIVATIONS[self.config.ffn_activation](gate, up)
         return self._post_norm((matmul or QuantizedMatrix.matmul)(layer.w_down, gated), layer.post_ffn_norm)
 
     def _logits(self, x: np.ndarray, matmul: MatMul | None = None) -> np.ndarray:
-        h = kernels.rmsnorm(x, self.output_norm, self.config.rms_eps)
+        h = ops.rmsnorm(x, self.output_norm, self.config.rms_eps)
         return (matmul or QuantizedMatrix.matmul)(self.output, h)
 
 
-ACTIVATIONS = {"silu": kernels.silu_gate, "gelu_tanh": kernels.gelu_tanh_gate}
+ACTIVATIONS = {"silu": ops.silu_gate, "gelu_tanh": ops.gelu_tanh_gate}

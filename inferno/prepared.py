@@ -32,8 +32,8 @@ from gguf import GGMLQuantizationType as QType
 
 from inferno.file.config import ModelConfig
 from inferno.file.reader import open_gguf
+from inferno.kernels.quant import QuantizedMatrix
 from inferno.model import Transformer
-from inferno.quant import QuantizedMatrix
 from inferno.snapshot import model_fingerprint
 from inferno.text.tokenizer import GGUFTokenizer
 from inferno.validate import check_config, expected_tensors

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from inferno import kernels
+from inferno.kernels import attention
 from inferno.kv import KVCache
 from inferno.kv.batch import CacheBatch, batch_of
 from inferno.kv.paged import PagedKVCache
@@ -69,7 +69,7 @@ class Ragged:
             a, e = self.bounds[b], self.bounds[b + 1]
             cache, pos = self.caches[b], int(self.positions[a])
             if cache is None:
-                out[a:e] = kernels.attention_prefill(q[a:e], k[a:e], v[a:e], n_heads, 0, window=window)
+                out[a:e] = attention.attention_prefill(q[a:e], k[a:e], v[a:e], n_heads, 0, window=window)
             elif e - a == 1:
                 cache.write(layer, pos, k[a:e], v[a:e])
                 out[a] = cache.attend(layer, q[a], pos + 1)

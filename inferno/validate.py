@@ -25,7 +25,7 @@ from gguf import GGUFReader
 
 from inferno.errors import InfernoError
 from inferno.file.config import ModelConfig
-from inferno.quant import _check_supported as supported_type
+from inferno.kernels.quant import _check_supported as supported_type
 
 if TYPE_CHECKING:
     from inferno.model import Transformer

@@ -12,7 +12,7 @@ from conftest import FIXTURES
 from gguf import GGMLQuantizationType, quants
 
 from inferno.errors import InfernoError
-from inferno.kernels import attention_decode
+from inferno.kernels.attention import attention_decode
 from inferno.kv import DTYPES, KINDS, KVGeometry, make_cache, planned_nbytes
 from inferno.kv.dtypes import element_type
 from inferno.snapshot import Snapshot

@@ -12,7 +12,8 @@ from conftest import FIXTURES
 from inferno.cli.generate import main as generate_main
 from inferno.errors import InfernoError
 from inferno.file.reader import open_gguf
-from inferno.kernels import Rotary, attention_window
+from inferno.kernels.attention import attention_window
+from inferno.kernels.ops import Rotary
 from inferno.kv import KVCacheFullError, KVGeometry, make_cache, planned_nbytes
 from inferno.kv.dtypes import element_type
 from inferno.kv.prealloc import PreallocKVCache

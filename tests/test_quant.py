@@ -1,4 +1,4 @@
-"""inferno.quant against gguf-py: exact dequantization, and matvec/matmul against a float64 reference.
+"""inferno.kernels.quant against gguf-py: exact dequantization, and matvec/matmul against a float64 reference.
 
 Every weight goes through a real GGUF file (gguf.GGUFWriter, then gguf.GGUFReader), so from_tensor is
 tested on the reader's tensors.
@@ -15,7 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from inferno.errors import InfernoError
-from inferno.quant import SUPPORTED, WIDE_TILE_ROWS, QuantizedMatrix, tensor_to_float32
+from inferno.kernels.quant import SUPPORTED, WIDE_TILE_ROWS, QuantizedMatrix, tensor_to_float32
 
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 

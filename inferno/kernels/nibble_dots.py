@@ -22,7 +22,7 @@ Per block and row, S_i = sum(q * a_i) over the 32 nibbles q are exact int32 sums
 block's dot is s / 2^21 times (S0 * 2^7 + S1) * 2^14 + (S2 * 2^7 + S3), rounded once.
 
 The weights. vpdpbusd takes four consecutive bytes of a row from one 32-bit lane, so tiles hold each
-row's 16 nibble bytes as four 4-byte words: the quads of `inferno.quant`'s Layout. Byte i of quad k
+row's 16 nibble bytes as four 4-byte words: the quads of `inferno.kernels.quant`'s Layout. Byte i of quad k
 holds values 4k + i (low nibble) and 16 + 4k + i (high nibble).
 
 Q8_0 tiles keep each value's bytes side by side across lanes (its float path reads them so); the
@@ -47,8 +47,8 @@ from numba.core import cgutils
 from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
 
-from inferno.jit import njit  # first: the target is set before any kernel is defined
-from inferno.llvm_ir import constant, declared, pointer, splat
+from inferno.kernels.jit import njit  # first: the target is set before any kernel is defined
+from inferno.kernels.llvm_ir import constant, declared, pointer, splat
 
 LANES = 16  # rows summed per call: the int32 lanes of one 512-bit register
 PARTS = 4  # int8 parts per activation: float32's precision, the default

@@ -6,14 +6,14 @@ byte of `lanes` consecutive rows is contiguous, so the kernels loop over lanes (
 LLVM turns that into plain SIMD loads with no per-block horizontal sums. Q4_0 and Q4_1 blocks keep
 their scales that way, but their 16 nibble bytes go by quads: the block's bytes from `qs` on are
 uint8[quad k, lane, 4], bytes 4k..4k+3 of each row side by side, the shape of the CPU's byte dot
-product (see inferno.nibble_dots). Only the order changes, so memory stays the size of the file's
+product (see inferno.kernels.nibble_dots). Only the order changes, so memory stays the size of the file's
 tensor.
 
 Arithmetic. Dequantization repeats gguf-py's float32 operations in the same order (no fast-math, so no
 fused multiply-adds) and is bit-identical to `gguf.quants.dequantize`. The matrix-vector kernels
 regroup the sums: for Q4_1, dot(x, d*q + m) over a block is d*sum(x*q) + m*sum(x), with the block
 sums of x computed once per call; the 4-bit types take sum(x*q) in integers, from x split into int8
-parts once per call (inferno.nibble_dots; Q8_0 too when x is rounded to int8), the others in float32.
+parts once per call (inferno.kernels.nibble_dots; Q8_0 too when x is rounded to int8), the others in float32.
 
 Compilation. Kernels are built per GGML type on first use (see `_kernels`) and cached on disk by Numba.
 """
@@ -34,10 +34,16 @@ from numba import prange, types
 from numba.extending import intrinsic, overload
 
 from inferno.errors import InfernoError
-from inferno.jit import njit
-from inferno.kernels import float_from_bits, prefetch_ahead
-from inferno.nibble_dots import ACTIVATIONS, NIBBLES_AT, first_part_sums, quant_dots, split_activations
-from inferno.nibble_dots import LANES as NIBBLE_LANES
+from inferno.kernels.jit import njit
+from inferno.kernels.llvm_ir import float_from_bits, prefetch_ahead
+from inferno.kernels.nibble_dots import (
+    ACTIVATIONS,
+    NIBBLES_AT,
+    first_part_sums,
+    quant_dots,
+    split_activations,
+)
+from inferno.kernels.nibble_dots import LANES as NIBBLE_LANES
 
 TILE_ROWS = 32  # lanes per tile: full SIMD loops, yet enough tiles to share small matrices between threads
 WIDE_TILE_ROWS = 64  # for 4-bit blocks, whose matvec measured 1.2x faster on 64 lanes (Q8_0: 1.4x slower)
@@ -580,7 +586,7 @@ def _dot_q6_k(w, x, xs, acc, s):
 @njit(cache=True, fastmath=True)
 def _dot_integer(w, parts, scale, sums, acc, kind, n_parts):
     """acc[i, lane] += row lane of tile w . x_i for each row i of x, from x_i's n_parts int8 parts, each
-    block's scale and its sums (inferno.nibble_dots.quant_dots): parts [rows, n_parts, cols], scale
+    block's scale and its sums (inferno.kernels.nibble_dots.quant_dots): parts [rows, n_parts, cols], scale
     and sums [rows, blocks]; kind and n_parts compile-time constants."""
     for b in range(w.shape[0]):
         prefetch_ahead(w, b)

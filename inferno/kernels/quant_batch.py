@@ -2,7 +2,7 @@
 matrix product of batched decoding (B sequences, one token each).
 
 One matvec per row reads every weight B times from memory; BLAS first dequantizes the whole weight to
-float32. Here each thread takes a run of tiles (the layout of `inferno.quant`) and reads each weight
+float32. Here each thread takes a run of tiles (the layout of `inferno.kernels.quant`) and reads each weight
 byte from memory once per step whatever B is: Q4_0 and Q4_1 through the integer dots of the
 single-row kernel, one row after another while the tile is in cache (so every row's result is
 bit-identical to its matvec); Q8_0 straight from the blocks four rows at a time; the other types
@@ -24,10 +24,10 @@ import numba
 import numpy as np
 from numba import prange
 
-from inferno.jit import njit
-from inferno.kernels import prefetch_ahead
-from inferno.nibble_dots import first_part_sums, split_activations
-from inferno.quant import Q8_0, QuantizedMatrix, _dequantize_tile, _dot_integer, _f16, integer_parts
+from inferno.kernels.jit import njit
+from inferno.kernels.llvm_ir import prefetch_ahead
+from inferno.kernels.nibble_dots import first_part_sums, split_activations
+from inferno.kernels.quant import Q8_0, QuantizedMatrix, _dequantize_tile, _dot_integer, _f16, integer_parts
 
 GROUP_VALUES = 32  # values of a row dequantized per step: one block of the 32-value types
 
@@ -99,7 +99,7 @@ def _accumulate_four(x, i, k0, deq, acc):
 # four rows and eight values of each row are loaded into locals before the pass over the lanes, so
 # that loop vectorizes with the row values broadcast (loaded inside it, they might alias acc and LLVM
 # leaves the loop scalar). A block's sum is scaled once per lane, as the single-row kernels of
-# inferno.quant do. On one thread, B = 8, the 49,152 x 576 Q8_0 output: 17.9 ms dequantizing to a
+# inferno.kernels.quant do. On one thread, B = 8, the 49,152 x 576 Q8_0 output: 17.9 ms dequantizing to a
 # scratch, 9.8 ms from the blocks.
 
 
@@ -197,7 +197,7 @@ def _integer_kernel(kind: int, n_parts: int) -> Callable:
     @njit(cache=True, parallel=True, fastmath=True)
     def matmul_rows(tiles, x, out, nchunks):
         """Q4_0, Q4_1 (or Q8_0 with one part): each row of x split into int8 parts once, then, tile by
-        tile and block by block, the integer dots of inferno.quant for one row after another (the
+        tile and block by block, the integer dots of inferno.kernels.quant for one row after another (the
         block stays in cache after the first row)."""
         ntiles, nblocks, lanes = tiles.shape[0], tiles.shape[1], tiles.shape[3]
         n_rows, cols = x.shape
