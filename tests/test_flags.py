@@ -208,6 +208,6 @@ def test_fetch_model_knows_the_names_and_refuses_others():
     done = subprocess.run(["bash", str(ROOT / "bin" / "fetch-model"), "llama9"], capture_output=True,
                           text=True)
     assert done.returncode == 2
-    assert done.stderr == "fetch-model: error: unknown model 'llama9' (known: smollm2, gemma3)\n"
+    assert done.stderr == "fetch-model: error: unknown model 'llama9' (known: smollm2, gemma3, qwen)\n"
     for name, path in common.MODEL_FILES.items():
         assert f"{path.name}" in (ROOT / "bin" / "fetch-model").read_text(), name
