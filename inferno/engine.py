@@ -21,7 +21,7 @@ from time import perf_counter
 
 import numpy as np
 
-from inferno import arguments, prepared
+from inferno import arguments
 from inferno.errors import InfernoError
 from inferno.file.config import ModelConfig
 from inferno.kernels import attention
@@ -29,11 +29,12 @@ from inferno.kernels.quant import MATMUL_MIN_ROWS
 from inferno.kv import DEFAULT_DTYPE, DTYPES, KINDS, KVCache, cache_class, make_cache
 from inferno.kv.paged import BLOCK_SIZE, BlockPool, PagedKVCache
 from inferno.metrics import RunRecord, Startup
-from inferno.model import BATCH_ROWS, Transformer
-from inferno.sampling import Sampler
+from inferno.model import prepared
+from inferno.model.sampling import Sampler
+from inferno.model.transformer import BATCH_ROWS, Transformer
+from inferno.model.validate import check_logits, refusing_non_finite
 from inferno.scheduler import Generation, Request, Scheduler
 from inferno.text.tokenizer import GGUFTokenizer
-from inferno.validate import check_logits, refusing_non_finite
 
 # progress("loading model.gguf") returns a context manager around that step (a spinner, a log line).
 Progress = Callable[[str], AbstractContextManager]

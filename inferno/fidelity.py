@@ -15,7 +15,7 @@ import numpy as np
 
 from inferno.kv import KVCache, make_cache
 from inferno.kv.dtypes import F32, element_type
-from inferno.model import Transformer
+from inferno.model.transformer import Transformer
 
 
 def default_text() -> tuple[str, str]:

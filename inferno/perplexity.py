@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from inferno.kv import KVCache
-from inferno.model import PREFILL_CHUNK, Transformer
+from inferno.model.transformer import PREFILL_CHUNK, Transformer
 
 
 def token_nll(

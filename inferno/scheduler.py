@@ -33,11 +33,11 @@ from inferno.errors import InfernoError
 from inferno.kv import KVCache
 from inferno.kv.paged import BlockPool, PagedKVCache
 from inferno.metrics import Metrics
-from inferno.model import PREFILL_CHUNK, Transformer
-from inferno.sampling import Sampler
+from inferno.model.sampling import Sampler
+from inferno.model.transformer import PREFILL_CHUNK, Transformer
+from inferno.model.validate import check_logits, refusing_non_finite
 from inferno.text.output_text import OutputText
 from inferno.text.tokenizer import GGUFTokenizer
-from inferno.validate import check_logits, refusing_non_finite
 
 # make_cache(prompt_tokens, new_tokens) -> the cache of a new request (refusing one that cannot fit)
 MakeCache = Callable[[int, int], KVCache | None]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from inferno.cli import common
-from inferno.prepared import CACHE_DIR_ENV
+from inferno.model.prepared import CACHE_DIR_ENV
 
 # The prepared-model cache of this session (and of the commands it runs): never the user's own.
 _MODEL_CACHE = tempfile.TemporaryDirectory(prefix="inferno-tests-")

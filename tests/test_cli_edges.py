@@ -15,7 +15,7 @@ import pytest
 from conftest import FIXTURES
 
 from inferno.cli import generate, inspect, kv_bench, memcalc
-from inferno.sampling import Sampler
+from inferno.model.sampling import Sampler
 
 TINY = FIXTURES / "tiny_llama.gguf"
 

@@ -9,7 +9,7 @@ from numba import njit
 
 from inferno.file.config import ModelConfig
 from inferno.kernels import attention, llvm_ir, ops
-from inferno.model import rope_frequencies
+from inferno.model.transformer import rope_frequencies
 
 rng = np.random.default_rng(0)
 

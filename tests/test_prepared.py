@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from conftest import FIXTURES, greedy
 
-from inferno import prepared
 from inferno.kv import make_cache
+from inferno.model import prepared
 
 TINY = FIXTURES / "tiny_qwen2.gguf"  # biases as well as norms and stacked matrices
 
@@ -159,7 +159,7 @@ def test_the_blas_path_is_warmed_only_by_a_request_that_takes_it(cache_dir):
     loaded = engine.startup.jit_ms
     engine.generate("hi", 2)
     assert engine.startup.jit_ms == loaded
-    from inferno.model import BATCH_ROWS
+    from inferno.model.transformer import BATCH_ROWS
 
     long_prompt = "one two three four five six seven eight nine ten " * 2
     assert BATCH_ROWS < len(engine.tokenizer.encode(long_prompt)) <= engine.config.context_length - 2

@@ -174,7 +174,7 @@ def test_stacked_weights_compute_like_separate_ones(tmp_path):
     """q/k/v-like weights of one type stack into one matrix (rows not multiples of a tile: padding
     between parts); a weight of another type stays apart. Same results either way, in decode and
     prefill shapes."""
-    from inferno.model import Projections
+    from inferno.model.transformer import Projections
 
     rng = np.random.default_rng(7)
     shapes = {"a": (Q.Q4_1, 70), "b": (Q.Q4_1, 33), "c": (Q.Q8_0, 40), "d": (Q.Q4_1, 64)}

@@ -13,7 +13,7 @@ from conftest import FIXTURES
 
 from inferno.file.reader import open_gguf
 from inferno.kv import make_cache
-from inferno.model import Transformer
+from inferno.model.transformer import Transformer
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 TOLERANCE = 1e-3

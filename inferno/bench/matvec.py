@@ -94,7 +94,7 @@ def bench_worker(model: Path, threads: int, seconds: float) -> None:
 
     from inferno.file.reader import open_gguf
     from inferno.kernels import quant
-    from inferno.model import Transformer
+    from inferno.model.transformer import Transformer
 
     numba.set_num_threads(threads)
     reader = open_gguf(model)

@@ -150,7 +150,7 @@ def command(model, system, template_file, max_new, kv, kv_dtype, max_context, te
     template = read_template(template_file) if template_file else None
     system = utf8("--system", system) if system is not None else None
     from inferno.engine import Engine
-    from inferno.sampling import Sampler
+    from inferno.model.sampling import Sampler
 
     err = console(stderr=True)
     engine = Engine.load(model_file(model), progress=progress_on(err))

@@ -252,7 +252,7 @@ def command(args, max_tokens, kv, kv_dtype, max_context, block_size, num_samples
     if (save_cache or load_cache or max_context or kv_dtype != DEFAULT_DTYPE) and kv is None:
         # a snapshot is a cache's contents, a context a cache's size, an element type a cache's rows
         kv = "prealloc"
-    from inferno.sampling import Sampler
+    from inferno.model.sampling import Sampler
 
     sampler = Sampler(temperature, top_k, top_p, seed)
     model_path = model_file(model_path)

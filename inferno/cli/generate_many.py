@@ -16,7 +16,7 @@ from inferno.cli.common import console
 from inferno.cli.display import counting, fmt_bytes
 from inferno.engine import Engine
 from inferno.errors import InfernoError
-from inferno.sampling import Sampler
+from inferno.model.sampling import Sampler
 from inferno.scheduler import Generation, Request, Scheduler
 
 BATCH_OPTIONS = ("prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "stop")

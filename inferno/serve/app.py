@@ -28,7 +28,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferno.errors import InfernoError
-from inferno.sampling import MIN_TEMPERATURE, Sampler
+from inferno.model.sampling import MIN_TEMPERATURE, Sampler
 from inferno.scheduler import Request as EngineRequest
 from inferno.scheduler import SchedulerFullError
 from inferno.serve.engine_loop import EngineLoop, Item, LogProb, Submission

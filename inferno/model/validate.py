@@ -28,7 +28,7 @@ from inferno.file.config import ModelConfig
 from inferno.kernels.quant import _check_supported as supported_type
 
 if TYPE_CHECKING:
-    from inferno.model import Transformer
+    from inferno.model.transformer import Transformer
 
 Shape = Callable[[ModelConfig], tuple[int, ...]]  # in numpy order: [rows (out), cols (in)] or [n]
 

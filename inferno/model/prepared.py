@@ -33,10 +33,10 @@ from gguf import GGMLQuantizationType as QType
 from inferno.file.config import ModelConfig
 from inferno.file.reader import open_gguf
 from inferno.kernels.quant import QuantizedMatrix
-from inferno.model import Transformer
+from inferno.model.transformer import Transformer
+from inferno.model.validate import check_config, expected_tensors
 from inferno.snapshot import model_fingerprint
 from inferno.text.tokenizer import GGUFTokenizer
-from inferno.validate import check_config, expected_tensors
 
 MAGIC = b"INFERNO-PREPARED"
 VERSION = 2  # bumped whenever what an entry holds, or the tile layout of quant.py, changes

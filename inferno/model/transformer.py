@@ -26,8 +26,8 @@ from inferno.kernels import ops
 from inferno.kernels.quant import QuantizedMatrix, tensor_to_float32, uses_blas
 from inferno.kernels.quant_batch import batch_matmul
 from inferno.kv import KVCache
-from inferno.ragged import Ragged
-from inferno.validate import check_finite_weights, check_model_file
+from inferno.model.ragged import Ragged
+from inferno.model.validate import check_finite_weights, check_model_file
 
 MatMul = Callable[[QuantizedMatrix, np.ndarray], np.ndarray]  # x [n, cols] -> [n, rows]
 
