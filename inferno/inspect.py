@@ -17,8 +17,8 @@ import numpy as np
 from inferno.errors import InfernoError
 from inferno.kv import DEFAULT_DTYPE, KVCache, KVGeometry, make_cache
 from inferno.kv.paged import BLOCK_SIZE, BlockPool, PagedKVCache, blocks_for, layer_groups
+from inferno.kv.snapshot import Snapshot
 from inferno.model.validate import check_logits, refusing_non_finite
-from inferno.snapshot import Snapshot
 
 if TYPE_CHECKING:
     from inferno.engine import Engine  # loading it pulls in the model and its kernels

@@ -163,7 +163,7 @@ def test_save_cache_writes_only_regular_files_refused_before_the_run(gen, tmp_pa
 
 
 def test_an_interrupted_save_leaves_nothing_and_sigterm_exits_143(gen, tmp_path, monkeypatch):
-    from inferno import snapshot
+    from inferno.kv import snapshot
 
     def killed(*args, **kwargs):
         raise common.Terminated  # what the SIGTERM handler raises, here in the middle of the write
@@ -259,7 +259,7 @@ def test_ordinary_templates_still_render():
 
 def _snapshot(tmp_path: Path, bad: float) -> Path:
     from inferno.kv import KVGeometry
-    from inferno.snapshot import Snapshot
+    from inferno.kv.snapshot import Snapshot
 
     geometry = KVGeometry(layers=2, kv_heads=2, heads=4, head_dim=16)
     keys = np.zeros((2, 3, 32), np.float32)
@@ -278,7 +278,7 @@ def test_a_snapshot_with_non_finite_rows_is_refused(run_main, tmp_path, bad):
 
 
 def test_snapshot_save_refuses_a_symlink_through_the_api(tmp_path):
-    from inferno.snapshot import check_save_path
+    from inferno.kv.snapshot import check_save_path
 
     (tmp_path / "link").symlink_to(tmp_path / "target")
     with pytest.raises(InfernoError, match="symbolic link"):

@@ -10,7 +10,7 @@ import pytest
 from inferno.cli.inspect import main
 from inferno.inspect import fill_cache
 from inferno.kernels.attention import attention_decode
-from inferno.snapshot import Snapshot
+from inferno.kv.snapshot import Snapshot
 
 PROG = "kv-inspect"
 PROMPT = "Once upon a time"

@@ -15,7 +15,7 @@ from inferno.errors import InfernoError
 from inferno.kernels.attention import attention_decode
 from inferno.kv import DTYPES, KINDS, KVGeometry, make_cache, planned_nbytes
 from inferno.kv.dtypes import element_type
-from inferno.snapshot import Snapshot
+from inferno.kv.snapshot import Snapshot
 
 GEOMETRY = KVGeometry(layers=2, kv_heads=3, heads=9, head_dim=64)
 GGML = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}

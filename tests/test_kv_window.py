@@ -17,9 +17,9 @@ from inferno.kernels.ops import Rotary
 from inferno.kv import KVCacheFullError, KVGeometry, make_cache, planned_nbytes
 from inferno.kv.dtypes import element_type
 from inferno.kv.prealloc import PreallocKVCache
+from inferno.kv.snapshot import Snapshot
 from inferno.kv.window import WindowKVCache
 from inferno.model.transformer import Transformer
-from inferno.snapshot import Snapshot
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 4
 WIDTH = KV_HEADS * HEAD_DIM

@@ -194,7 +194,7 @@ def command(model, system, template_file, max_new, kv, kv_dtype, max_context, te
 
 
 def save(engine, cache, conversation: Conversation, path: str) -> None:
-    from inferno.snapshot import Snapshot
+    from inferno.kv.snapshot import Snapshot
 
     if not path:
         click.echo(f"{PROG}: /save needs a file name", err=True)

@@ -246,7 +246,7 @@ def command(args, max_tokens, kv, kv_dtype, max_context, block_size, num_samples
     if save_cache and load_cache and Path(save_cache).resolve() == Path(load_cache).resolve():
         raise InfernoError("--save-cache names the --load-cache file, which is never modified: give another")
     if save_cache:
-        from inferno.snapshot import check_save_path
+        from inferno.kv.snapshot import check_save_path
 
         check_save_path(save_cache)  # a symlink, FIFO, device or directory: refused before any work
     if (save_cache or load_cache or max_context or kv_dtype != DEFAULT_DTYPE) and kv is None:
@@ -258,9 +258,9 @@ def command(args, max_tokens, kv, kv_dtype, max_context, block_size, num_samples
     model_path = model_file(model_path)
 
     from inferno.engine import Engine
+    from inferno.kv.snapshot import Snapshot
     from inferno.metrics import Metrics
     from inferno.scheduler import Generation, Request
-    from inferno.snapshot import Snapshot
     from inferno.text.output_text import OutputText
 
     err = console(stderr=True)

@@ -42,8 +42,8 @@ from inferno.inspect import inspect_prompt, inspect_snapshot
 from inferno.kv import DEFAULT_DTYPE, DEFAULT_KIND, DTYPES, KINDS
 from inferno.kv.dtypes import element_type
 from inferno.kv.paged import BLOCK_SIZE
+from inferno.kv.snapshot import Snapshot
 from inferno.kv.window import POSITIONS
-from inferno.snapshot import Snapshot
 
 PROG = "kv-inspect"
 # Plasma, dark to bright: a sequential scale that stays readable where colour is scarce.

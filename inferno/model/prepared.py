@@ -33,9 +33,9 @@ from gguf import GGMLQuantizationType as QType
 from inferno.file.config import ModelConfig
 from inferno.file.reader import open_gguf
 from inferno.kernels.quant import QuantizedMatrix
+from inferno.kv.snapshot import model_fingerprint
 from inferno.model.transformer import Transformer
 from inferno.model.validate import check_config, expected_tensors
-from inferno.snapshot import model_fingerprint
 from inferno.text.tokenizer import GGUFTokenizer
 
 MAGIC = b"INFERNO-PREPARED"
