@@ -21,7 +21,7 @@ from inferno.kv.snapshot import Snapshot
 from inferno.model.validate import check_logits, refusing_non_finite
 
 if TYPE_CHECKING:
-    from inferno.engine import Engine  # loading it pulls in the model and its kernels
+    from inferno.runtime.engine import Engine  # loading it pulls in the model and its kernels
 
 INSPECTED_KIND = "prealloc"
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from inferno.kv import KVCache
-from inferno.scheduler import Generation
+from inferno.runtime.scheduler import Generation
 from inferno.text.tokenizer import GGUFTokenizer
 
 EOS_LINE = "[EOS reached]"

@@ -64,7 +64,7 @@ def test_model_names_resolve_to_the_fetched_files(model_path, tmp_path, monkeypa
 @pytest.fixture
 def loads(monkeypatch, engine):
     """Engine.load hands back the session's engine and remembers what it was asked to load."""
-    from inferno.engine import Engine
+    from inferno.runtime.engine import Engine
 
     paths = []
 
@@ -195,7 +195,8 @@ def test_kernels_cached_reads_numbas_index(engine):
 
 
 def test_kernels_cached_is_false_with_an_empty_cache_dir(tmp_path):
-    code = "import inferno.engine; from inferno.cli.common import kernels_cached; print(kernels_cached())"
+    code = ("import inferno.runtime.engine; from inferno.cli.common import kernels_cached; "
+            "print(kernels_cached())")
     env = os.environ | {"NUMBA_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
     assert done.stdout.strip() == "False", done.stderr

@@ -71,7 +71,7 @@ def test_num_samples_past_the_machines_memory_is_refused(gen, monkeypatch):
 
 
 def test_start_up_interrupted_is_one_line_exit_130(gen, monkeypatch):
-    from inferno.engine import Engine
+    from inferno.runtime.engine import Engine
 
     def interrupted(cls, path, progress=None):
         raise KeyboardInterrupt
@@ -342,13 +342,13 @@ def test_the_longest_context_is_capped_at_the_models(calc, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny():
-    from inferno.engine import load
+    from inferno.runtime.engine import load
 
     return load(TINY)
 
 
 def test_load_refuses_what_is_not_a_path():
-    from inferno.engine import load
+    from inferno.runtime.engine import load
 
     for bad in (None, 3, "", b"model.gguf"):
         with pytest.raises(InfernoError, match="path must be a path"):

@@ -141,7 +141,7 @@ def test_the_cache_directory_follows_the_environment(monkeypatch, tmp_path):
 def test_the_real_model_from_its_entry_generates_the_reference_tokens(cache_dir, model_path):
     """SmolLM2 read from its entry: the greedy tokens of HF's float32 reference."""
     reference = np.load(FIXTURES / "hf_smollm2.npz")
-    from inferno.engine import Engine
+    from inferno.runtime.engine import Engine
 
     Engine.load(model_path)
     engine = Engine.load(model_path)
@@ -153,7 +153,7 @@ def test_the_real_model_from_its_entry_generates_the_reference_tokens(cache_dir,
 def test_the_blas_path_is_warmed_only_by_a_request_that_takes_it(cache_dir):
     """A short prompt never loads the BLAS path's kernels; the first long one does, before its first
     forward, and that time counts as the kernels' part of the start-up."""
-    from inferno.engine import Engine
+    from inferno.runtime.engine import Engine
 
     engine = Engine.load(FIXTURES / "tiny_llama.gguf")
     loaded = engine.startup.jit_ms

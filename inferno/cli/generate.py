@@ -257,10 +257,10 @@ def command(args, max_tokens, kv, kv_dtype, max_context, block_size, num_samples
     sampler = Sampler(temperature, top_k, top_p, seed)
     model_path = model_file(model_path)
 
-    from inferno.engine import Engine
     from inferno.kv.snapshot import Snapshot
-    from inferno.metrics import Metrics
-    from inferno.scheduler import Generation, Request
+    from inferno.runtime.engine import Engine
+    from inferno.runtime.metrics import Metrics
+    from inferno.runtime.scheduler import Generation, Request
     from inferno.text.output_text import OutputText
 
     err = console(stderr=True)

@@ -71,7 +71,7 @@ def inspect_model(
     **options,
 ) -> dict[str, Any]:
     """Load the model, fill a cache with the prompt and report on it (status: where to show progress)."""
-    from inferno.engine import Engine
+    from inferno.runtime.engine import Engine
 
     engine = Engine.load(model_path, progress=progress_on(status))
     layers = engine.config.n_layers

@@ -166,7 +166,7 @@ def command(model, prompt, depth, new_tokens, modes, kv_dtypes, fidelity, text_f
     if decoders and (sizes or fidelity):
         raise InfernoError("--mixed-load goes alone: not with --batch-sweep or --fidelity")
     check_activations(activations)
-    from inferno.engine import Engine
+    from inferno.runtime.engine import Engine
 
     err = quiet_console(quiet, as_json)
     engine = Engine.load(model_file(model), progress=progress_on(err))

@@ -49,8 +49,8 @@ def command(model, text_file, window, sinks, threads, as_json, quiet):
     except (OSError, UnicodeDecodeError) as exc:
         raise InfernoError(f"cannot read --text {text_file}: {exc}") from None
     from inferno.cli.display import Counted, counting
-    from inferno.engine import Engine
     from inferno.perplexity import PREFILL_CHUNK
+    from inferno.runtime.engine import Engine
 
     err = quiet_console(quiet, as_json)
     engine = Engine.load(model_file(model), progress=progress_on(err))

@@ -29,8 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferno.errors import InfernoError
 from inferno.model.sampling import MIN_TEMPERATURE, Sampler
-from inferno.scheduler import Request as EngineRequest
-from inferno.scheduler import SchedulerFullError
+from inferno.runtime.scheduler import Request as EngineRequest
+from inferno.runtime.scheduler import SchedulerFullError
 from inferno.serve.engine_loop import EngineLoop, Item, LogProb, Submission
 from inferno.serve.metrics import ServerMetrics
 from inferno.serve.protocol import (

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from inferno.errors import InfernoError
-from inferno.scheduler import Event, Generation, Request, Scheduler, SchedulerFullError
+from inferno.runtime.scheduler import Event, Generation, Request, Scheduler, SchedulerFullError
 from inferno.serve.metrics import EngineState, ServerMetrics
 from inferno.text.tokenizer import GGUFTokenizer
 from inferno.token_log import probabilities

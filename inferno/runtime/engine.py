@@ -1,11 +1,11 @@
 """A loaded model ready to run: weights, tokenizer, compiled kernels, the cache a request needs, and
 the Python API the commands are thin users of:
 
-    engine = inferno.engine.load("model.gguf")
+    engine = inferno.runtime.engine.load("model.gguf")
     for piece in engine.stream("Once upon a time", max_new_tokens=32, kv="prealloc"):
         print(piece, end="")
     run = engine.generate("Once upon a time", 32)     # a RunRecord: text, ids, metrics
-    scheduler = engine.scheduler(kv="paged", max_batch=8)   # many requests at once: inferno.scheduler
+    scheduler = engine.scheduler(kv="paged", max_batch=8)   # many requests at once: inferno.runtime.scheduler
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from inferno.kernels import attention
 from inferno.kernels.quant import MATMUL_MIN_ROWS
 from inferno.kv import DEFAULT_DTYPE, DTYPES, KINDS, KVCache, cache_class, make_cache
 from inferno.kv.paged import BLOCK_SIZE, BlockPool, PagedKVCache
-from inferno.metrics import RunRecord, Startup
 from inferno.model import prepared
 from inferno.model.sampling import Sampler
 from inferno.model.transformer import BATCH_ROWS, Transformer
 from inferno.model.validate import check_logits, refusing_non_finite
-from inferno.scheduler import Generation, Request, Scheduler
+from inferno.runtime.metrics import RunRecord, Startup
+from inferno.runtime.scheduler import Generation, Request, Scheduler
 from inferno.text.tokenizer import GGUFTokenizer
 
 # progress("loading model.gguf") returns a context manager around that step (a spinner, a log line).
@@ -198,7 +198,7 @@ class Engine:
         max_waiting: int | None = None,
         **cache_options,
     ) -> Scheduler:
-        """A scheduler on this model (`inferno.scheduler`): requests added to it run together.
+        """A scheduler on this model (`inferno.runtime.scheduler`): requests added to it run together.
 
         kv "paged": every request's cache is a sequence of one block pool of `pool_blocks` blocks, or
         enough for `pool_tokens` tokens of one sequence (default: max_batch sequences of the model's

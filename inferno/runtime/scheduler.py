@@ -32,10 +32,10 @@ import numpy as np
 from inferno.errors import InfernoError
 from inferno.kv import KVCache
 from inferno.kv.paged import BlockPool, PagedKVCache
-from inferno.metrics import Metrics
 from inferno.model.sampling import Sampler
 from inferno.model.transformer import PREFILL_CHUNK, Transformer
 from inferno.model.validate import check_logits, refusing_non_finite
+from inferno.runtime.metrics import Metrics
 from inferno.text.output_text import OutputText
 from inferno.text.tokenizer import GGUFTokenizer
 
