@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
+from inferno.analysis.cache_view import fill_cache
 from inferno.cli.inspect import main
-from inferno.inspect import fill_cache
 from inferno.kernels.attention import attention_decode
 from inferno.kv.snapshot import Snapshot
 

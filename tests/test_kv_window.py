@@ -419,7 +419,7 @@ def test_only_a_window_cache_may_run_past_the_models_context(engine):
 
 def test_perplexity_of_a_long_text_stays_close_to_the_full_caches(engine):
     """The first 1,024 tokens of the text (8 windows) with a 128-token window and 4 sinks."""
-    from inferno.perplexity import perplexity, token_nll
+    from inferno.analysis.perplexity import perplexity, token_nll
 
     ids = engine.tokenizer.encode(TEXT.read_text(encoding="utf-8"))[:1024]
     full = perplexity(token_nll(engine.model, ids, engine.make_cache("prealloc", len(ids), 0)))

@@ -298,7 +298,7 @@ def command(args, max_tokens, kv, kv_dtype, max_context, block_size, num_samples
         snapshot.restore(cache, prompt_ids)
         load_cache_ms = (perf_counter() - t) * 1000
 
-    from inferno.token_log import TokenLog
+    from inferno.analysis.token_log import TokenLog
 
     if not as_json and sys.stdout.isatty():
         # Someone watching the text stream sees it follow the prompt; a script reading stdout gets

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from inferno.token_log import TokenRecord
+    from inferno.analysis.token_log import TokenRecord
 
 SCHEMA_VERSION = 1  # of RunRecord.to_json(); bumped when a key changes meaning or goes away
 
