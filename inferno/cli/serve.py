@@ -109,7 +109,7 @@ def command(model, host, port, kv, kv_dtype, block_size, cache_memory, max_batch
             threads, activations, chat_template, api_key, access_log):
     """Serve a GGUF model over the OpenAI API: /v1/models, /v1/completions, /v1/chat/completions, with
     /health and Prometheus /metrics."""
-    from inferno.memcalc import parse_size
+    from inferno.plan.memcalc import parse_size
 
     set_threads(threads)
     check_activations(activations)

@@ -3,7 +3,7 @@
 Tensor parallelism (TP) splits every layer's heads and weights across ranks; pipeline parallelism (PP)
 gives each stage a run of whole layers. Per device, what is left of `memory x utilization` after the
 weights and an activation reserve holds the cache, in blocks of `block_size` tokens across the
-device's layers, as paged engines allocate it. Pure arithmetic, like `inferno.memcalc`.
+device's layers, as paged engines allocate it. Pure arithmetic, like `inferno.plan.memcalc`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from inferno.errors import InfernoError
-from inferno.hf_config import Weights
-from inferno.memcalc import DType, KVShape, bytes_per_token, max_batch, max_context, parse_size
+from inferno.plan.hf_config import Weights
+from inferno.plan.memcalc import DType, KVShape, bytes_per_token, max_batch, max_context, parse_size
 
 # Engine spellings of the KV dtypes each supports; f16/bf16 are the engines' default ("auto": the
 # model's own 16-bit type), so they need no flag.
