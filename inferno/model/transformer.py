@@ -33,7 +33,7 @@ MatMul = Callable[[QuantizedMatrix, np.ndarray], np.ndarray]  # x [n, cols] -> [
 
 PREFILL_CHUNK = 512  # tokens per forward when prefilling into a cache that evicts
 # Up to this many rows (a short prompt, a few sequences' decode steps, a chunk beside them) batch_matmul,
-# reading each weight once for all rows, beats dequantizing every weight for BLAS (docs/BENCHMARKS.md).
+# reading each weight once for all rows, beats dequantizing every weight for BLAS (docs/benchmarks.md).
 BATCH_ROWS = 64
 
 
