@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from inferno.cli import common
-from inferno.prepared import CACHE_DIR_ENV
+from inferno.model.prepared import CACHE_DIR_ENV
 
 # The prepared-model cache of this session (and of the commands it runs): never the user's own.
 _MODEL_CACHE = tempfile.TemporaryDirectory(prefix="inferno-tests-")
@@ -43,7 +43,7 @@ def model_path() -> Path:
 
 @pytest.fixture(scope="session")
 def engine(model_path):
-    from inferno.engine import Engine
+    from inferno.runtime.engine import Engine
 
     return Engine.load(model_path)
 
@@ -57,7 +57,7 @@ def gemma_path() -> Path:
 
 @pytest.fixture(scope="session")
 def gemma_engine(gemma_path):
-    from inferno.engine import Engine
+    from inferno.runtime.engine import Engine
 
     return Engine.load(gemma_path)
 
@@ -65,7 +65,7 @@ def gemma_engine(gemma_path):
 @pytest.fixture
 def loaded_once(monkeypatch, engine):
     """The commands get the session's engine instead of loading the model again (seconds per run)."""
-    from inferno.engine import Engine
+    from inferno.runtime.engine import Engine
 
     monkeypatch.setattr(Engine, "load", classmethod(lambda cls, path, progress=None: engine))
     return engine

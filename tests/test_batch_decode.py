@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
+from inferno.kernels.quant_batch import batch_matmul
 from inferno.kv import make_cache
 from inferno.kv.paged import BlockPool, PagedKVCache
-from inferno.quant_batch import batch_matmul
 
 PROMPTS = ("The capital of France is", "Once upon a time", "def fibonacci(n):", "Water boils at")
 NEW_TOKENS = 16

@@ -15,8 +15,8 @@ from inferno.bench.figures import Plan, common_prefix
 from inferno.bench.measure import Options, available, benchmark
 from inferno.bench.prompts import english_text, exact_prompt
 from inferno.bench.report import render
-from inferno.gguf_file import open_gguf
-from inferno.tokenizer import GGUFTokenizer
+from inferno.file.reader import open_gguf
+from inferno.text.tokenizer import GGUFTokenizer
 
 TINY = Path(__file__).parent / "fixtures" / "tiny_llama.gguf"
 # Small enough for the tiny model's 256-token context, and quick.

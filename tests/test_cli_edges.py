@@ -15,7 +15,7 @@ import pytest
 from conftest import FIXTURES
 
 from inferno.cli import generate, inspect, kv_bench, memcalc
-from inferno.sampling import Sampler
+from inferno.model.sampling import Sampler
 
 TINY = FIXTURES / "tiny_llama.gguf"
 
@@ -170,7 +170,7 @@ def test_ctrl_c_with_json_prints_the_partial_object(gen, monkeypatch, after):
 
 
 def test_ctrl_c_during_save_cache_leaves_no_file(gen, monkeypatch, tmp_path):
-    from inferno import snapshot
+    from inferno.kv import snapshot
 
     def interrupted_write(fd, data):
         os.write(fd, data[: len(data) // 2])
@@ -183,7 +183,7 @@ def test_ctrl_c_during_save_cache_leaves_no_file(gen, monkeypatch, tmp_path):
 
 
 def test_save_cache_into_a_read_only_directory(gen, monkeypatch, tmp_path):
-    from inferno import snapshot
+    from inferno.kv import snapshot
 
     def read_only(fd, data):
         raise PermissionError(13, "Permission denied")

@@ -73,7 +73,7 @@ def test_fidelity_table(narrow, capsys):
 
 
 def test_metrics_panel_of_a_long_run(narrow, capsys):
-    from inferno.metrics import Metrics, RunRecord, Startup
+    from inferno.runtime.metrics import Metrics, RunRecord, Startup
 
     metrics = Metrics(prompt_tokens=4096, prefilled_tokens=4096, generated_tokens=512,
                       per_forward_ms=[1234.5] + [12.34] * 511, ttft_ms=1234.5, decode_ms=6000.0,

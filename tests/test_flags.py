@@ -64,7 +64,7 @@ def test_model_names_resolve_to_the_fetched_files(model_path, tmp_path, monkeypa
 @pytest.fixture
 def loads(monkeypatch, engine):
     """Engine.load hands back the session's engine and remembers what it was asked to load."""
-    from inferno.engine import Engine
+    from inferno.runtime.engine import Engine
 
     paths = []
 
@@ -195,7 +195,8 @@ def test_kernels_cached_reads_numbas_index(engine):
 
 
 def test_kernels_cached_is_false_with_an_empty_cache_dir(tmp_path):
-    code = "import inferno.engine; from inferno.cli.common import kernels_cached; print(kernels_cached())"
+    code = ("import inferno.runtime.engine; from inferno.cli.common import kernels_cached; "
+            "print(kernels_cached())")
     env = os.environ | {"NUMBA_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
     assert done.stdout.strip() == "False", done.stderr
@@ -208,6 +209,6 @@ def test_fetch_model_knows_the_names_and_refuses_others():
     done = subprocess.run(["bash", str(ROOT / "bin" / "fetch-model"), "llama9"], capture_output=True,
                           text=True)
     assert done.returncode == 2
-    assert done.stderr == "fetch-model: error: unknown model 'llama9' (known: smollm2, gemma3)\n"
+    assert done.stderr == "fetch-model: error: unknown model 'llama9' (known: smollm2, gemma3, qwen)\n"
     for name, path in common.MODEL_FILES.items():
         assert f"{path.name}" in (ROOT / "bin" / "fetch-model").read_text(), name

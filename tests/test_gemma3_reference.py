@@ -80,7 +80,7 @@ def test_cache_modes_agree_on_gemma(gemma_engine, mode):
 @pytest.mark.parametrize(("layer", "window"), [(0, 512), (5, None)])
 def test_kv_inspect_local_layers_attend_only_to_their_window(gemma_engine, monkeypatch, layer, window):
     from inferno.cli.inspect import inspect_model
-    from inferno.engine import Engine
+    from inferno.runtime.engine import Engine
 
     monkeypatch.setattr(Engine, "load", classmethod(lambda cls, path, progress=None: gemma_engine))
     report = inspect_model(gemma_engine, PROMPTS[LONG]["text"], 0, layer, None, None)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from conftest import FIXTURES
 
-from inferno.gguf_file import metadata, open_gguf
+from inferno.file.reader import metadata, open_gguf
 
 
 def assert_same_as_stock_reader(path) -> None:

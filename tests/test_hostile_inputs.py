@@ -71,7 +71,7 @@ def test_num_samples_past_the_machines_memory_is_refused(gen, monkeypatch):
 
 
 def test_start_up_interrupted_is_one_line_exit_130(gen, monkeypatch):
-    from inferno.engine import Engine
+    from inferno.runtime.engine import Engine
 
     def interrupted(cls, path, progress=None):
         raise KeyboardInterrupt
@@ -163,7 +163,7 @@ def test_save_cache_writes_only_regular_files_refused_before_the_run(gen, tmp_pa
 
 
 def test_an_interrupted_save_leaves_nothing_and_sigterm_exits_143(gen, tmp_path, monkeypatch):
-    from inferno import snapshot
+    from inferno.kv import snapshot
 
     def killed(*args, **kwargs):
         raise common.Terminated  # what the SIGTERM handler raises, here in the middle of the write
@@ -221,7 +221,7 @@ TEMPLATES = {
 
 @pytest.mark.parametrize("name", TEMPLATES)
 def test_a_hostile_chat_template_is_one_line_naming_its_source(name):
-    from inferno.chat_template import render
+    from inferno.text.chat_template import render
 
     template, fragment = TEMPLATES[name]
     t = time.perf_counter()
@@ -235,7 +235,7 @@ def test_a_hostile_chat_template_is_one_line_naming_its_source(name):
 
 
 def test_a_chat_template_that_never_ends_is_stopped(monkeypatch):
-    from inferno import chat_template
+    from inferno.text import chat_template
 
     monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.3)
     loops = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
@@ -246,7 +246,7 @@ def test_a_chat_template_that_never_ends_is_stopped(monkeypatch):
 
 
 def test_ordinary_templates_still_render():
-    from inferno.chat_template import render
+    from inferno.text.chat_template import render
 
     text = render("{% for m in messages %}<|{{ m.role }}|>{{ m.content | trim }}{{ '%d' % loop.index }}"
                   "{% endfor %}{{ ['a', 'b'] | join(', ') }}{{ 'x' ~ 1 }}{{ 'x'.center(5) }}",
@@ -259,7 +259,7 @@ def test_ordinary_templates_still_render():
 
 def _snapshot(tmp_path: Path, bad: float) -> Path:
     from inferno.kv import KVGeometry
-    from inferno.snapshot import Snapshot
+    from inferno.kv.snapshot import Snapshot
 
     geometry = KVGeometry(layers=2, kv_heads=2, heads=4, head_dim=16)
     keys = np.zeros((2, 3, 32), np.float32)
@@ -278,7 +278,7 @@ def test_a_snapshot_with_non_finite_rows_is_refused(run_main, tmp_path, bad):
 
 
 def test_snapshot_save_refuses_a_symlink_through_the_api(tmp_path):
-    from inferno.snapshot import check_save_path
+    from inferno.kv.snapshot import check_save_path
 
     (tmp_path / "link").symlink_to(tmp_path / "target")
     with pytest.raises(InfernoError, match="symbolic link"):
@@ -342,13 +342,13 @@ def test_the_longest_context_is_capped_at_the_models(calc, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny():
-    from inferno.engine import load
+    from inferno.runtime.engine import load
 
     return load(TINY)
 
 
 def test_load_refuses_what_is_not_a_path():
-    from inferno.engine import load
+    from inferno.runtime.engine import load
 
     for bad in (None, 3, "", b"model.gguf"):
         with pytest.raises(InfernoError, match="path must be a path"):

@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from inferno import kernels
+from inferno.analysis.cache_view import fill_cache
 from inferno.cli.inspect import main
-from inferno.inspect import fill_cache
-from inferno.snapshot import Snapshot
+from inferno.kernels.attention import attention_decode
+from inferno.kv.snapshot import Snapshot
 
 PROG = "kv-inspect"
 PROMPT = "Once upon a time"
@@ -73,7 +73,7 @@ def test_json_matches_the_caches_own_arrays(kv_inspect, model_path, filled):
         assert np.allclose(weights[head], expected, atol=1e-6)
     # The weights are the ones the model used: mixing V with them gives its attention output.
     mixed = np.concatenate([weights[h] @ values[:, h // 3 * 64 : (h // 3 + 1) * 64] for h in range(9)])
-    assert np.allclose(mixed, kernels.attention_decode(q, keys, values, 9), atol=1e-5)
+    assert np.allclose(mixed, attention_decode(q, keys, values, 9), atol=1e-5)
 
 
 def test_terminal_view(kv_inspect, model_path):

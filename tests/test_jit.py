@@ -7,7 +7,7 @@ import sys
 import numpy as np
 from numba.core.codegen import get_host_cpu_features
 
-from inferno import jit
+from inferno.kernels import jit
 
 
 def test_kernels_compile_at_full_vector_width_where_avx512_offers_a_choice():

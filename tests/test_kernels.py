@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from numba import njit
 
-from inferno import kernels
-from inferno.config import ModelConfig
-from inferno.model import rope_frequencies
+from inferno.file.config import ModelConfig
+from inferno.kernels import attention, llvm_ir, ops
+from inferno.model.transformer import rope_frequencies
 
 rng = np.random.default_rng(0)
 
@@ -43,7 +43,7 @@ def test_rope_matches_the_definition(neox, rope_dim):
     inv_freq = rope_frequencies(config(rope_dim, neox))
     x = rng.standard_normal((40, 64), dtype=np.float32)
     got = x.copy()
-    kernels.rope(got, 1000, 4, inv_freq, neox)
+    ops.rope(got, 1000, 4, inv_freq, neox)
     want = reference_rope(x, np.arange(1000, 1040), 4, inv_freq, neox)
     np.testing.assert_allclose(got, want, atol=2e-4)
     if rope_dim < 16:
@@ -71,7 +71,7 @@ def test_rope_single_row_is_the_rotation_of_the_definition(neox, rope_dim):
     x = rng.standard_normal(64, dtype=np.float32)
     for pos in (0, 1, 17, 299, 4000):
         row = x.copy()
-        kernels.rope_single_row(row, pos, 4, inv_freq, neox)
+        ops.rope_single_row(row, pos, 4, inv_freq, neox)
         np.testing.assert_allclose(row, rope_by_definition(x, pos, 4, rope_dim, 10000.0, neox), atol=2e-3)
     assert not np.allclose(row, rope_by_definition(x, 4000, 4, rope_dim, 10000.0, not neox), atol=0.1)
 
@@ -80,14 +80,14 @@ def test_rmsnorm():
     x = rng.standard_normal((5, 64), dtype=np.float32)
     w = rng.standard_normal(64, dtype=np.float32)
     want = x / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-5) * w
-    np.testing.assert_allclose(kernels.rmsnorm(x, w, 1e-5), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ops.rmsnorm(x, w, 1e-5), want, rtol=1e-5, atol=1e-6)
 
 
 def test_rms_norm_heads_normalises_each_head_alone():
     x = rng.standard_normal((3, 4 * 16), dtype=np.float32)
     w = rng.standard_normal(16, dtype=np.float32)
     got = x.copy()
-    kernels.rms_norm_heads(got, 4, w, 1e-6)
+    ops.rms_norm_heads(got, 4, w, 1e-6)
     heads = x.reshape(3, 4, 16).astype(np.float64)
     want = heads / np.sqrt((heads**2).mean(axis=2, keepdims=True) + 1e-6) * w
     np.testing.assert_allclose(got, want.reshape(3, 64), rtol=1e-5, atol=1e-6)
@@ -96,7 +96,7 @@ def test_rms_norm_heads_normalises_each_head_alone():
 def test_silu_gate():
     g = rng.standard_normal((2, 50), dtype=np.float32)
     u = rng.standard_normal((2, 50), dtype=np.float32)
-    np.testing.assert_allclose(kernels.silu_gate(g, u), g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ops.silu_gate(g, u), g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
 
 
 def test_gelu_tanh_gate():
@@ -104,13 +104,13 @@ def test_gelu_tanh_gate():
     u = rng.standard_normal((2, 50), dtype=np.float32)
     x = g.astype(np.float64)
     want = 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3))) * u
-    np.testing.assert_allclose(kernels.gelu_tanh_gate(g, u), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ops.gelu_tanh_gate(g, u), want, rtol=1e-5, atol=1e-6)
 
 
 def test_concat_dim0_copies_rows_in_order():
     a = rng.standard_normal((3, 4), dtype=np.float32)
     b = rng.standard_normal((1, 4), dtype=np.float32)
-    out = kernels.concat_dim0(a, b)
+    out = ops.concat_dim0(a, b)
     np.testing.assert_array_equal(out, np.concatenate([a, b]))
     assert not np.shares_memory(out, a)
 
@@ -135,14 +135,14 @@ def reference_attention(q, k, v, n_heads, first_pos, window=None):
     return out
 
 
-@pytest.mark.parametrize("t", [3, 300])  # a query at a time (kernels.ROWWISE_PAIRS); over one query block
+@pytest.mark.parametrize("t", [3, 300])  # a query at a time (attention.ROWWISE_PAIRS); over one query block
 @pytest.mark.parametrize("first_pos", [0, 13])
 def test_attention_prefill_is_causal_grouped_query_attention(first_pos, t):
     s = first_pos + t
     q = rng.standard_normal((t, 8 * 16), dtype=np.float32)
     k = rng.standard_normal((s, 2 * 16), dtype=np.float32)
     v = rng.standard_normal((s, 2 * 16), dtype=np.float32)
-    got = kernels.attention_prefill(q, k, v, 8, first_pos)
+    got = attention.attention_prefill(q, k, v, 8, first_pos)
     np.testing.assert_allclose(got, reference_attention(q, k, v, 8, first_pos), atol=1e-5)
 
 
@@ -153,7 +153,7 @@ def test_attention_prefill_sees_only_the_window(first_pos, window, t):
     q = rng.standard_normal((t, 4 * 16), dtype=np.float32)
     k = rng.standard_normal((s, 1 * 16), dtype=np.float32)
     v = rng.standard_normal((s, 1 * 16), dtype=np.float32)
-    got = kernels.attention_prefill(q, k, v, 4, first_pos, window=window)
+    got = attention.attention_prefill(q, k, v, 4, first_pos, window=window)
     np.testing.assert_allclose(got, reference_attention(q, k, v, 4, first_pos, window), atol=1e-5)
     if window == 1:  # each query sees only itself
         np.testing.assert_allclose(got, np.tile(v, 4), atol=1e-6)
@@ -164,7 +164,7 @@ def test_attention_decode_is_the_last_row_of_causal_attention(s):
     q = rng.standard_normal((1, 8 * 16), dtype=np.float32)
     k = rng.standard_normal((s, 2 * 16), dtype=np.float32)
     v = rng.standard_normal((s, 2 * 16), dtype=np.float32)
-    got = kernels.attention_decode(q[0], k, v, 8)
+    got = attention.attention_decode(q[0], k, v, 8)
     np.testing.assert_allclose(got, reference_attention(q, k, v, 8, s - 1)[0], atol=1e-5)
 
 
@@ -173,16 +173,16 @@ def test_attention_decode_is_the_last_row_of_causal_attention(s):
 def test_decode_spans_cover_the_cache_in_bounded_pieces(n_pos, threads, monkeypatch):
     """The thread count is read at each call (a cached kernel would keep the one it was compiled under)."""
     monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", threads)
-    span = kernels.decode_span(n_pos)
+    span = attention.decode_span(n_pos)
     n_spans = -(-n_pos // span)
-    assert 1 <= span <= kernels.DECODE_SPAN
+    assert 1 <= span <= attention.DECODE_SPAN
     assert (n_spans - 1) * span < n_pos <= n_spans * span  # every position in exactly one span, none empty
-    if n_pos >= kernels.MIN_SPAN * threads:  # enough positions: at least one span per thread
+    if n_pos >= attention.MIN_SPAN * threads:  # enough positions: at least one span per thread
         assert n_spans >= threads
 
 
 def test_exp_f32_is_within_two_ulp_of_exact_and_clamps_to_the_float32_range():
-    exp_all = njit(lambda xs: np.array([kernels.exp_f32(v) for v in xs], dtype=np.float32))
+    exp_all = njit(lambda xs: np.array([ops.exp_f32(v) for v in xs], dtype=np.float32))
     x = np.concatenate([np.linspace(-87, 88, 200_001, dtype=np.float32), np.float32([0.0, -1e-8, 1e-8])])
     exact = np.exp(x.astype(np.float64))
     ulps = np.abs(exp_all(x) - exact) / np.spacing(exact.astype(np.float32)).astype(np.float64)
@@ -200,7 +200,7 @@ def test_prefetch_ahead_asks_for_later_rows_and_never_faults_past_the_end():
     def stream(rows):
         total = np.float32(0)
         for i in range(rows.shape[0]):
-            kernels.prefetch_ahead(rows, i)
+            llvm_ir.prefetch_ahead(rows, i)
             for j in range(rows.shape[1]):
                 total += rows[i, j]
         return total

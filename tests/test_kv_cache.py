@@ -5,8 +5,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from inferno.config import ModelConfig
 from inferno.errors import InfernoError
+from inferno.file.config import ModelConfig
 from inferno.kv import KINDS, KVCacheFullError, KVGeometry, make_cache
 from inferno.kv.basic import BasicKVCache
 from inferno.kv.prealloc import PreallocKVCache

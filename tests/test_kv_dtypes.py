@@ -12,10 +12,10 @@ from conftest import FIXTURES
 from gguf import GGMLQuantizationType, quants
 
 from inferno.errors import InfernoError
-from inferno.kernels import attention_decode
+from inferno.kernels.attention import attention_decode
 from inferno.kv import DTYPES, KINDS, KVGeometry, make_cache, planned_nbytes
 from inferno.kv.dtypes import element_type
-from inferno.snapshot import Snapshot
+from inferno.kv.snapshot import Snapshot
 
 GEOMETRY = KVGeometry(layers=2, kv_heads=3, heads=9, head_dim=64)
 GGML = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
@@ -267,7 +267,7 @@ def test_model_generate_reports_the_element_type_and_its_bytes(run_main, model_p
 
 def test_fidelity_on_english_text(engine):
     """128 tokens of the Python Language Reference through each element type (kv-bench --fidelity)."""
-    from inferno.fidelity import measure
+    from inferno.analysis.fidelity import measure
 
     ids = engine.tokenizer.encode((FIXTURES / "execution_model.txt").read_text())[:128]
     dtypes = ["f16", "q8_0", "q8_0h", "q4_0", "q4_0h", "q4_kivi", "q4_recent"]
@@ -288,8 +288,8 @@ def test_fidelity_on_english_text(engine):
 def test_int8_activations_cost_measured_and_reported(run_main, engine, model_path):
     """--activations int8: the fidelity rows besides the reference take int8 activations (and the
     model is left as it was); model-generate's JSON says which arithmetic made its tokens."""
+    from inferno.analysis.fidelity import measure
     from inferno.cli.generate import main
-    from inferno.fidelity import measure
 
     ids = engine.tokenizer.encode((FIXTURES / "execution_model.txt").read_text())[:64]
     reference, rounded = measure(engine.model, ids, ["f32"], activations="int8")

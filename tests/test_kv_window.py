@@ -11,14 +11,15 @@ from conftest import FIXTURES
 
 from inferno.cli.generate import main as generate_main
 from inferno.errors import InfernoError
-from inferno.gguf_file import open_gguf
-from inferno.kernels import Rotary, attention_window
+from inferno.file.reader import open_gguf
+from inferno.kernels.attention import attention_window
+from inferno.kernels.ops import Rotary
 from inferno.kv import KVCacheFullError, KVGeometry, make_cache, planned_nbytes
 from inferno.kv.dtypes import element_type
 from inferno.kv.prealloc import PreallocKVCache
+from inferno.kv.snapshot import Snapshot
 from inferno.kv.window import WindowKVCache
-from inferno.model import Transformer
-from inferno.snapshot import Snapshot
+from inferno.model.transformer import Transformer
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 4
 WIDTH = KV_HEADS * HEAD_DIM
@@ -418,7 +419,7 @@ def test_only_a_window_cache_may_run_past_the_models_context(engine):
 
 def test_perplexity_of_a_long_text_stays_close_to_the_full_caches(engine):
     """The first 1,024 tokens of the text (8 windows) with a 128-token window and 4 sinks."""
-    from inferno.perplexity import perplexity, token_nll
+    from inferno.analysis.perplexity import perplexity, token_nll
 
     ids = engine.tokenizer.encode(TEXT.read_text(encoding="utf-8"))[:1024]
     full = perplexity(token_nll(engine.model, ids, engine.make_cache("prealloc", len(ids), 0)))

@@ -15,10 +15,10 @@ from conftest import DEFAULT_MODEL, FIXTURES
 
 from inferno.cli import memcalc as memcalc_cli
 from inferno.cli.memcalc import command, main
-from inferno.deploy import Devices, device_shape, engine_plans, limiting, plan_stages, pp_stages
 from inferno.errors import InfernoError
-from inferno.hf_config import Weights, read_hf_config
-from inferno.memcalc import (
+from inferno.plan.deploy import Devices, device_shape, engine_plans, limiting, plan_stages, pp_stages
+from inferno.plan.hf_config import Weights, read_hf_config
+from inferno.plan.memcalc import (
     DTYPES,
     bytes_per_token,
     cache_bytes,

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from inferno import nibble_dots as module
-from inferno.jit import njit
-from inferno.nibble_dots import (
+from inferno.kernels import nibble_dots as module
+from inferno.kernels.jit import njit
+from inferno.kernels.nibble_dots import (
     ACTIVATIONS,
     LANES,
     PART_BITS,

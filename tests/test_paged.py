@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from inferno import kernels
+from inferno.kernels import attention
 from inferno.kv import KVCacheFullError, KVGeometry, make_cache
 from inferno.kv.paged import BlockPool, PagedKVCache
 
@@ -50,7 +50,7 @@ def test_attention_through_the_block_table_matches_attention_over_contiguous_row
     q = RNG.standard_normal(GEOMETRY.heads * GEOMETRY.head_dim, dtype=np.float32)
     for end in (1, 17, 128, 300):
         keys, values = cache.read(1, end)
-        expected = kernels.attention_decode(q, np.ascontiguousarray(keys), np.ascontiguousarray(values), 6)
+        expected = attention.attention_decode(q, np.ascontiguousarray(keys), np.ascontiguousarray(values), 6)
         np.testing.assert_allclose(cache.attend(1, q, end), expected, rtol=1e-5, atol=1e-6)
 
 

@@ -1,5 +1,5 @@
-"""--plot: every figure of inferno.plots is written as a valid PNG or SVG from small synthetic reports
-(the dicts the commands' --json prints), bad file names are refused in one line, and one real kv-bench
+"""--plot: every figure of inferno.analysis.plots is written as a valid PNG or SVG from small synthetic
+reports (the dicts the commands' --json prints), bad file names are refused in one line, and one real kv-bench
 run draws its per-forward figure."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from inferno import plots
+from inferno.analysis import plots
 from inferno.errors import InfernoError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -117,7 +117,7 @@ def test_an_unwritable_file_is_one_error(tmp_path):
 def test_matplotlib_is_imported_only_when_a_plot_is_asked_for():
     import subprocess
 
-    code = ("import sys, inferno.plots, inferno.cli.kv_bench, inferno.cli.inspect; "
+    code = ("import sys, inferno.analysis.plots, inferno.cli.kv_bench, inferno.cli.inspect; "
             "print('matplotlib' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from conftest import FIXTURES, greedy
 
-from inferno import prepared
 from inferno.errors import InfernoError
 from inferno.kv import make_cache
+from inferno.model import prepared
 
 TINY = FIXTURES / "tiny_qwen2.gguf"  # biases as well as norms and stacked matrices
 
@@ -183,7 +183,7 @@ def test_the_cache_directory_follows_the_environment(monkeypatch, tmp_path):
 def test_the_real_model_from_its_entry_generates_the_reference_tokens(cache_dir, model_path):
     """SmolLM2 read from its entry: the greedy tokens of HF's float32 reference."""
     reference = np.load(FIXTURES / "hf_smollm2.npz")
-    from inferno.engine import Engine
+    from inferno.runtime.engine import Engine
 
     Engine.load(model_path)
     engine = Engine.load(model_path)
@@ -195,13 +195,13 @@ def test_the_real_model_from_its_entry_generates_the_reference_tokens(cache_dir,
 def test_the_blas_path_is_warmed_only_by_a_request_that_takes_it(cache_dir):
     """A short prompt never loads the BLAS path's kernels; the first long one does, before its first
     forward, and that time counts as the kernels' part of the start-up."""
-    from inferno.engine import Engine
+    from inferno.runtime.engine import Engine
 
     engine = Engine.load(FIXTURES / "tiny_llama.gguf")
     loaded = engine.startup.jit_ms
     engine.generate("hi", 2)
     assert engine.startup.jit_ms == loaded
-    from inferno.model import BATCH_ROWS
+    from inferno.model.transformer import BATCH_ROWS
 
     long_prompt = "one two three four five six seven eight nine ten " * 2
     assert BATCH_ROWS < len(engine.tokenizer.encode(long_prompt)) <= engine.config.context_length - 2

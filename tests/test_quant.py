@@ -1,4 +1,4 @@
-"""inferno.quant against gguf-py: exact dequantization, and matvec/matmul against a float64 reference.
+"""inferno.kernels.quant against gguf-py: exact dequantization, and matvec/matmul against a float64 reference.
 
 Every weight goes through a real GGUF file (gguf.GGUFWriter, then gguf.GGUFReader), so from_tensor is
 tested on the reader's tensors.
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from inferno import nibble_dots
 from inferno.errors import InfernoError
-from inferno.jit import njit
-from inferno.quant import SUPPORTED, WIDE_TILE_ROWS, QuantizedMatrix, tensor_to_float32
-from inferno.quant_batch import batch_matmul
+from inferno.kernels import nibble_dots
+from inferno.kernels.jit import njit
+from inferno.kernels.quant import SUPPORTED, WIDE_TILE_ROWS, QuantizedMatrix, tensor_to_float32
+from inferno.kernels.quant_batch import batch_matmul
 
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
@@ -177,7 +177,7 @@ def test_stacked_weights_compute_like_separate_ones(tmp_path):
     """q/k/v-like weights of one type stack into one matrix (rows not multiples of a tile: padding
     between parts); a weight of another type stays apart. Same results either way, in decode and
     prefill shapes."""
-    from inferno.model import Projections
+    from inferno.model.transformer import Projections
 
     rng = np.random.default_rng(7)
     shapes = {"a": (Q.Q4_1, 70), "b": (Q.Q4_1, 33), "c": (Q.Q8_0, 40), "d": (Q.Q4_1, 64)}

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from inferno.errors import InfernoError
-from inferno.sampling import Sampler
+from inferno.model.sampling import Sampler
 
 LOGITS = np.log(np.array([0.05, 0.40, 0.10, 0.30, 0.15])).astype(np.float32)  # softmax(LOGITS) is this
 DRAWS = 20_000

@@ -8,7 +8,7 @@ import pytest
 
 from inferno.kv import KINDS
 from inferno.kv.paged import PagedKVCache
-from inferno.scheduler import Request, SchedulerFullError
+from inferno.runtime.scheduler import Request, SchedulerFullError
 
 NEW = 6
 PROMPT = "The capital of France is Paris. The capital of Italy is"

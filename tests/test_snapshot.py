@@ -14,9 +14,9 @@ import pytest
 from inferno.cli.generate import main as generate_main
 from inferno.cli.inspect import main as inspect_main
 from inferno.errors import InfernoError
-from inferno.gguf_file import open_gguf
+from inferno.file.reader import open_gguf
 from inferno.kv import KINDS
-from inferno.snapshot import Snapshot, model_fingerprint
+from inferno.kv.snapshot import Snapshot, model_fingerprint
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PROMPT = "Once upon a time"

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from conftest import FIXTURES
 
-from inferno.gguf_file import open_gguf
+from inferno.file.reader import open_gguf
 from inferno.kv import make_cache
-from inferno.model import Transformer
+from inferno.model.transformer import Transformer
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 TOLERANCE = 1e-3

@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
+from inferno.analysis.token_log import EOS_LINE, TokenLog, probabilities
 from inferno.cli.generate import main as generate_main
-from inferno.metrics import Metrics
-from inferno.scheduler import Generation, Request
-from inferno.token_log import EOS_LINE, TokenLog, probabilities
+from inferno.runtime.metrics import Metrics
+from inferno.runtime.scheduler import Generation, Request
 
 PROG = "model-generate"
 

@@ -13,8 +13,8 @@ import gguf
 import pytest
 
 from inferno.errors import InfernoError
-from inferno.gguf_file import open_gguf
-from inferno.tokenizer import CONTROL, USER_DEFINED, GGUFTokenizer, StreamDecoder
+from inferno.file.reader import open_gguf
+from inferno.text.tokenizer import CONTROL, USER_DEFINED, GGUFTokenizer, StreamDecoder
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = json.loads((ROOT / "tests" / "fixtures" / "tokenizer_smollm2.json").read_text(encoding="utf-8"))

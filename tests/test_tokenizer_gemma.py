@@ -14,8 +14,8 @@ import pytest
 from conftest import FIXTURES
 from test_tokenizer import stream, write_variant
 
-from inferno.gguf_file import open_gguf
-from inferno.tokenizer import GGUFTokenizer
+from inferno.file.reader import open_gguf
+from inferno.text.tokenizer import GGUFTokenizer
 
 FIXTURE = json.loads((FIXTURES / "tokenizer_gemma3.json").read_text(encoding="utf-8"))
 CASES = FIXTURE["cases"]

@@ -11,8 +11,8 @@ import pytest
 from gguf import GGUFValueType
 from gguf_fuzz import FIXTURES, read_model, write_model
 
-from inferno.engine import Engine
 from inferno.errors import InfernoError
+from inferno.runtime.engine import Engine
 
 
 def field(model, key):

@@ -12,7 +12,7 @@ from inferno.kv.paged import BLOCK_SIZE, ITEMSIZE
 
 if TYPE_CHECKING:
     from inferno.cli.generate_many import Run
-    from inferno.engine import Engine  # loading it pulls in the model and its kernels
+    from inferno.runtime.engine import Engine  # loading it pulls in the model and its kernels
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -31,7 +31,7 @@ def run_samples(
 ) -> Run:
     """`batch` greedy continuations of one prompt, new_tokens each, run together."""
     from inferno.cli.generate_many import pool_tokens, run_all
-    from inferno.scheduler import Request
+    from inferno.runtime.scheduler import Request
 
     requests = [Request(prompt_ids, new_tokens, ignore_eos=True) for _ in range(batch)]
     scheduler = engine.scheduler("paged", max_batch=batch, pool_tokens=pool_tokens(requests, batch),

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from inferno.kv import DEFAULT_DTYPE, KINDS
 
 if TYPE_CHECKING:
-    from inferno.engine import Engine  # loading it pulls in the model and its kernels
+    from inferno.runtime.engine import Engine  # loading it pulls in the model and its kernels
 
 MODES = ("off", *KINDS)  # off: no cache, every step reruns the whole sequence
 DEFAULT_MODES = ("off", "basic", "prealloc")  # the others take options of their own (--window, paged's pool)

@@ -1,4 +1,4 @@
-"""Benchmark inferno.quant's matrix-vector kernels on the real model's weights.
+"""Benchmark inferno.kernels.quant's matrix-vector kernels on the real model's weights.
 
 For each matrix: QuantizedMatrix.matvec against float32 np.dot on the dequantized matrix, timed side
 by side (interleaved, best of several batches), at each thread count, with the weight bytes read per
@@ -62,10 +62,10 @@ def compile_worker(model: Path) -> None:
     import numpy as np
 
     t0 = time.perf_counter()
-    from inferno import quant
-    from inferno.gguf_file import open_gguf
+    from inferno.file.reader import open_gguf
+    from inferno.kernels import quant
 
-    print(f"  import inferno.quant: {time.perf_counter() - t0:.2f} s")
+    print(f"  import inferno.kernels.quant: {time.perf_counter() - t0:.2f} s")
     reader = open_gguf(model)
     seen = {}
     for t in reader.tensors:
@@ -92,9 +92,9 @@ def bench_worker(model: Path, threads: int, seconds: float) -> None:
     import numba
     import numpy as np
 
-    from inferno import quant
-    from inferno.gguf_file import open_gguf
-    from inferno.model import Transformer
+    from inferno.file.reader import open_gguf
+    from inferno.kernels import quant
+    from inferno.model.transformer import Transformer
 
     numba.set_num_threads(threads)
     reader = open_gguf(model)

@@ -16,8 +16,8 @@ from inferno.bench import competitors
 from inferno.bench.figures import LABELS, EngineRuns, Plan, figures_of, summarise
 from inferno.bench.processes import ChildResult, inferno_version, machine, probe, run_child
 from inferno.bench.prompts import write_prompts
-from inferno.gguf_file import open_gguf
-from inferno.tokenizer import GGUFTokenizer
+from inferno.file.reader import open_gguf
+from inferno.text.tokenizer import GGUFTokenizer
 
 # engine -> the modules the other interpreter must have for it, and how to get them
 REQUIREMENTS = {

@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from inferno.engine import Engine
+    from inferno.runtime.engine import Engine
 
 
 def run_mixed(engine: Engine, short_ids: list[int], long_ids: list[int], decoders: int, new_tokens: int,
               step_tokens: int | None) -> dict[str, Any]:
     """`decoders` greedy requests of short_ids; once all decode, a request of long_ids arrives. The
     decoders' inter-token gaps from then until they end, and the long prompt's time to first token."""
-    from inferno.scheduler import Request
+    from inferno.runtime.scheduler import Request
 
     scheduler = engine.scheduler("paged", max_batch=decoders + 1, step_tokens=step_tokens,
                                  pool_tokens=decoders * (len(short_ids) + new_tokens) + len(long_ids) + 8)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from inferno.bench.figures import Plan
-from inferno.tokenizer import GGUFTokenizer
+from inferno.text.tokenizer import GGUFTokenizer
 
 _OPENERS = ["In the morning", "Later that day", "After the rain", "Before dinner", "At the edge of town",
             "During the long winter", "On the first warm evening", "Every few days", "Without a word",

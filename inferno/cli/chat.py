@@ -57,7 +57,7 @@ class Conversation:
 def turn(engine, cache, conversation: Conversation, text: str, max_new: int, sampler,
          template: str | None, out) -> None:
     """One user turn: its answer streamed to `out`, the conversation and cache advanced."""
-    from inferno.scheduler import Request, Scheduler
+    from inferno.runtime.scheduler import Request, Scheduler
 
     conversation.messages.append({"role": "user", "content": text})
     prompt = engine.tokenizer.apply_chat_template(conversation.messages, template=template)
@@ -149,8 +149,8 @@ def command(model, system, template_file, max_new, kv, kv_dtype, max_context, te
         raise InfernoError(f"unknown KV cache mode {kv!r}")
     template = read_template(template_file) if template_file else None
     system = utf8("--system", system) if system is not None else None
-    from inferno.engine import Engine
-    from inferno.sampling import Sampler
+    from inferno.model.sampling import Sampler
+    from inferno.runtime.engine import Engine
 
     err = console(stderr=True)
     engine = Engine.load(model_file(model), progress=progress_on(err))
@@ -194,7 +194,7 @@ def command(model, system, template_file, max_new, kv, kv_dtype, max_context, te
 
 
 def save(engine, cache, conversation: Conversation, path: str) -> None:
-    from inferno.snapshot import Snapshot
+    from inferno.kv.snapshot import Snapshot
 
     if not path:
         click.echo(f"{PROG}: /save needs a file name", err=True)

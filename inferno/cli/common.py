@@ -252,7 +252,7 @@ def looks_like_model(arg: str) -> bool:
 
 
 def is_gguf_file(path: str) -> bool:
-    from inferno.gguf_file import GGUF_MAGIC  # here: kv-memcalc by flags starts without numpy
+    from inferno.file.reader import GGUF_MAGIC  # here: kv-memcalc by flags starts without numpy
 
     try:
         with open(path, "rb") as f:
@@ -263,7 +263,7 @@ def is_gguf_file(path: str) -> bool:
 
 def check_activations(name: str) -> None:
     """--activations names how the matrix-vector products take activations, or a one-line refusal."""
-    from inferno.nibble_dots import ACTIVATIONS
+    from inferno.kernels.nibble_dots import ACTIVATIONS
 
     if name not in ACTIVATIONS:
         raise InfernoError(f"--activations {name!r}: expected one of {', '.join(ACTIVATIONS)}")
@@ -343,7 +343,8 @@ def progress_on(console) -> Callable[[str], AbstractContextManager] | None:
 
 KERNEL_STEPS = {True: "loading kernels", False: "compiling kernels (first run)",
                 None: "loading or compiling kernels"}
-KERNEL_MODULES = ("inferno.kernels", "inferno.quant", "inferno.quant_batch", "inferno.nibble_dots")
+KERNEL_MODULES = ("inferno.kernels.ops", "inferno.kernels.attention", "inferno.kernels.quant",
+                  "inferno.kernels.quant_batch", "inferno.kernels.nibble_dots")
 
 
 def kernels_cached() -> bool | None:

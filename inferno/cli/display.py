@@ -10,7 +10,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from inferno.metrics import RunRecord
+from inferno.runtime.metrics import RunRecord
 
 BARS = "▁▂▃▄▅▆▇█"
 

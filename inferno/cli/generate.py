@@ -246,22 +246,22 @@ def command(args, max_tokens, kv, kv_dtype, max_context, block_size, num_samples
     if save_cache and load_cache and Path(save_cache).resolve() == Path(load_cache).resolve():
         raise InfernoError("--save-cache names the --load-cache file, which is never modified: give another")
     if save_cache:
-        from inferno.snapshot import check_save_path
+        from inferno.kv.snapshot import check_save_path
 
         check_save_path(save_cache)  # a symlink, FIFO, device or directory: refused before any work
     if (save_cache or load_cache or max_context or kv_dtype != DEFAULT_DTYPE) and kv is None:
         # a snapshot is a cache's contents, a context a cache's size, an element type a cache's rows
         kv = "prealloc"
-    from inferno.sampling import Sampler
+    from inferno.model.sampling import Sampler
 
     sampler = Sampler(temperature, top_k, top_p, seed)
     model_path = model_file(model_path)
 
-    from inferno.engine import Engine
-    from inferno.metrics import Metrics
-    from inferno.output_text import OutputText
-    from inferno.scheduler import Generation, Request
-    from inferno.snapshot import Snapshot
+    from inferno.kv.snapshot import Snapshot
+    from inferno.runtime.engine import Engine
+    from inferno.runtime.metrics import Metrics
+    from inferno.runtime.scheduler import Generation, Request
+    from inferno.text.output_text import OutputText
 
     err = console(stderr=True)
     err.quiet = quiet  # --quiet: no progress, no metrics, no prompt echo on stderr
@@ -298,7 +298,7 @@ def command(args, max_tokens, kv, kv_dtype, max_context, block_size, num_samples
         snapshot.restore(cache, prompt_ids)
         load_cache_ms = (perf_counter() - t) * 1000
 
-    from inferno.token_log import TokenLog
+    from inferno.analysis.token_log import TokenLog
 
     if not as_json and sys.stdout.isatty():
         # Someone watching the text stream sees it follow the prompt; a script reading stdout gets

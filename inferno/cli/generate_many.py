@@ -14,10 +14,10 @@ from time import perf_counter
 
 from inferno.cli.common import console
 from inferno.cli.display import counting, fmt_bytes
-from inferno.engine import Engine
 from inferno.errors import InfernoError
-from inferno.sampling import Sampler
-from inferno.scheduler import Generation, Request, Scheduler
+from inferno.model.sampling import Sampler
+from inferno.runtime.engine import Engine
+from inferno.runtime.scheduler import Generation, Request, Scheduler
 
 BATCH_OPTIONS = ("prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "stop")
 # each option's JSON type: bool is refused where a number is asked for (JSON's true is not 1)

@@ -5,7 +5,7 @@ saved snapshot, and shows the cache's geometry, how full it is, the tokens it ho
 of K and V per layer and KV head, and with --layer L what the last query of that layer attends to.
 With --kv paged (and --num-samples N sequences forked from the prompt) it also shows the block pool:
 block tables, shared blocks and their reference counts, free blocks, fragmentation. The analysis is
-`inferno.inspect`'s; this module parses flags and draws.
+`inferno.analysis.cache_view`'s; this module parses flags and draws.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from inferno.analysis.cache_view import inspect_prompt, inspect_snapshot
 from inferno.cli.common import (
     blame,
     console,
@@ -38,12 +39,11 @@ from inferno.cli.common import (
 from inferno.cli.display import fmt_bytes
 from inferno.cli.generate import cache_options
 from inferno.errors import InfernoError
-from inferno.inspect import inspect_prompt, inspect_snapshot
 from inferno.kv import DEFAULT_DTYPE, DEFAULT_KIND, DTYPES, KINDS
 from inferno.kv.dtypes import element_type
 from inferno.kv.paged import BLOCK_SIZE
+from inferno.kv.snapshot import Snapshot
 from inferno.kv.window import POSITIONS
-from inferno.snapshot import Snapshot
 
 PROG = "kv-inspect"
 # Plasma, dark to bright: a sequential scale that stays readable where colour is scarce.
@@ -71,7 +71,7 @@ def inspect_model(
     **options,
 ) -> dict[str, Any]:
     """Load the model, fill a cache with the prompt and report on it (status: where to show progress)."""
-    from inferno.engine import Engine
+    from inferno.runtime.engine import Engine
 
     engine = Engine.load(model_path, progress=progress_on(status))
     layers = engine.config.n_layers
@@ -139,7 +139,7 @@ def command(args, n_decode, layer, max_context, kind, window, sinks, window_posi
     if samples is not None and samples < 1:
         raise InfernoError(f"--num-samples must be at least 1, got {samples}")
     if plot is not None:
-        from inferno.plots import check_plot_file
+        from inferno.analysis.plots import check_plot_file
 
         check_plot_file(plot)
     set_threads(threads)
@@ -157,7 +157,7 @@ def command(args, n_decode, layer, max_context, kind, window, sinks, window_posi
         report = inspect_model(model_path, prompt, n_decode, layer, max_context, status,
                                kind, kv_dtype, samples or 1, **options)
     if plot is not None:
-        from inferno.plots import plot_inspect
+        from inferno.analysis.plots import plot_inspect
 
         plot_inspect(report, plot)
     if as_json:

@@ -44,7 +44,7 @@ def text_tokens(engine, text_file: str | None, tokens: int) -> tuple[list[int], 
     """`tokens` token ids of the fidelity text (the file's, or the default) and where the text is from."""
     from pathlib import Path
 
-    from inferno.fidelity import default_text
+    from inferno.analysis.fidelity import default_text
 
     if text_file:
         try:
@@ -142,7 +142,7 @@ def command(model, prompt, depth, new_tokens, modes, kv_dtypes, fidelity, text_f
     if average < 1:
         raise InfernoError(f"--average must be at least 1, got {average}")
     if plot is not None:
-        from inferno.plots import check_plot_file
+        from inferno.analysis.plots import check_plot_file
 
         check_plot_file(plot)
     set_threads(threads)
@@ -166,7 +166,7 @@ def command(model, prompt, depth, new_tokens, modes, kv_dtypes, fidelity, text_f
     if decoders and (sizes or fidelity):
         raise InfernoError("--mixed-load goes alone: not with --batch-sweep or --fidelity")
     check_activations(activations)
-    from inferno.engine import Engine
+    from inferno.runtime.engine import Engine
 
     err = quiet_console(quiet, as_json)
     engine = Engine.load(model_file(model), progress=progress_on(err))
@@ -228,8 +228,8 @@ def timed_modes(engine, prompt_ids: list[int], new_tokens: int, modes: tuple[str
 
 def report_fidelity(engine, dtypes: tuple[str, ...], text_file: str | None, tokens: int, activations: str,
                     as_json: bool, plot: str | None = None, err=None) -> None:
+    from inferno.analysis.fidelity import measure
     from inferno.cli.display import Counted, counting
-    from inferno.fidelity import measure
 
     ids, source = text_tokens(engine, text_file, tokens)
     kernels_ms = warm_dtypes(engine, dtypes, activations)
@@ -302,10 +302,10 @@ def report_mixed(engine, short_ids: list[int], long_ids: list[int], decoders: in
 
 
 def emit(report: dict, plot: str | None, as_json: bool, figure: str) -> bool:
-    """Draw the report with `inferno.plots.<figure>` into --plot's file, print it with --json; True
+    """Draw the report with `inferno.analysis.plots.<figure>` into --plot's file, print it with --json; True
     when that is all the command shows (--json)."""
     if plot is not None:
-        from inferno import plots
+        from inferno.analysis import plots
 
         getattr(plots, figure)(report, plot)
     if as_json:

@@ -48,9 +48,9 @@ def command(model, text_file, window, sinks, threads, as_json, quiet):
         text = Path(text_file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise InfernoError(f"cannot read --text {text_file}: {exc}") from None
+    from inferno.analysis.perplexity import PREFILL_CHUNK
     from inferno.cli.display import Counted, counting
-    from inferno.engine import Engine
-    from inferno.perplexity import PREFILL_CHUNK
+    from inferno.runtime.engine import Engine
 
     err = quiet_console(quiet, as_json)
     engine = Engine.load(model_file(model), progress=progress_on(err))
@@ -88,7 +88,7 @@ def command(model, text_file, window, sinks, threads, as_json, quiet):
 
 def score(engine, ids: list[int], kind: str, options: dict, window: int, model) -> dict:
     """The text teacher-forced through a cache of `kind`: its perplexity and what the cache held."""
-    from inferno.perplexity import perplexity, token_nll
+    from inferno.analysis.perplexity import perplexity, token_nll
 
     with blame("--window", window):
         cache = engine.make_cache(kind, len(ids), 0, **options)

@@ -109,7 +109,7 @@ def command(model, host, port, kv, kv_dtype, block_size, cache_memory, max_batch
             threads, activations, chat_template, api_key, access_log):
     """Serve a GGUF model over the OpenAI API: /v1/models, /v1/completions, /v1/chat/completions, with
     /health and Prometheus /metrics."""
-    from inferno.memcalc import parse_size
+    from inferno.plan.memcalc import parse_size
 
     set_threads(threads)
     check_activations(activations)
@@ -134,8 +134,8 @@ def command(model, host, port, kv, kv_dtype, block_size, cache_memory, max_batch
     if not is_loopback(host) and api_key is None:
         say(f"warning: listening on {host} without --api-key: anyone who reaches it can use the model")
 
-    from inferno.engine import Engine
     from inferno.kv.paged import BlockPool, layer_groups
+    from inferno.runtime.engine import Engine
     from inferno.serve.app import ServeConfig, create_app, model_id, render_chat
     from inferno.serve.engine_loop import EngineLoop
     from inferno.serve.metrics import ServerMetrics

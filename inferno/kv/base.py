@@ -24,8 +24,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from inferno import kernels
 from inferno.errors import InfernoError
+from inferno.kernels import attention
 from inferno.kv.dtypes import F32, ElementType, element_type
 from inferno.kv.geometry import KVGeometry
 
@@ -166,14 +166,14 @@ class KVCache(ABC):
         window = self.geometry.window(layer)
         if window is not None:
             keys, values = keys[-window:], values[-window:]
-        return kernels.attention_decode(query, keys, values, self.geometry.heads)
+        return attention.attention_decode(query, keys, values, self.geometry.heads)
 
     def attend_new(self, layer: int, pos: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """Prefill's attention: store rows k, v [T, kv_width] at pos.., then queries q [T, heads * head_dim]
         at the same positions attend causally over the cache; returns [T, heads * head_dim]."""
         self.write(layer, pos, k, v)
         keys, values = self.read(layer, pos + k.shape[0])
-        return kernels.attention_prefill(q, keys, values, self.geometry.heads, pos,
+        return attention.attention_prefill(q, keys, values, self.geometry.heads, pos,
                                          window=self.geometry.window(layer))
 
     @property

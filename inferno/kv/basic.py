@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from inferno.kernels import concat_dim0
+from inferno.kernels.ops import concat_dim0
 from inferno.kv.base import KVCache
 from inferno.kv.dtypes import F32
 from inferno.kv.geometry import KVGeometry

@@ -24,9 +24,10 @@ from llvmlite import ir
 from numba import prange, types
 from numba.extending import intrinsic, overload
 
-from inferno import kernels
-from inferno.jit import njit
-from inferno.kernels import combine_spans_into, mix_values, prefetch_ahead, score_span, softmax_span
+from inferno.kernels import attention
+from inferno.kernels.attention import combine_spans_into, mix_values, score_span, softmax_span
+from inferno.kernels.jit import njit
+from inferno.kernels.llvm_ir import prefetch_ahead
 from inferno.kv.vectors import KIND_F16, KIND_Q4, KIND_Q8, block_axpys, block_dots
 
 FMT_F32, FMT_F16, FMT_Q8_0, FMT_Q4_0, FMT_Q4_64 = -1, 0, 1, 2, 3  # FMT_F32: float32 rows as computed
@@ -243,7 +244,7 @@ def mix_rows_at(weights: np.ndarray, values: np.ndarray, fmt: int, n_heads: int,
 
 def score_run(q: np.ndarray, keys: np.ndarray, fmt: int, n_heads: int, weights: np.ndarray, col: int) -> None:
     """The scores of a run of rows keys [n, row] into weights[:, col : col + n]: float32 rows
-    (kernels.score_span) or stored ones of `fmt` (score_rows_at). Chosen by the rows' type as the
+    (attention.score_span) or stored ones of `fmt` (score_rows_at). Chosen by the rows' type as the
     kernel compiles (`overload`), so a kernel over one storage carries no code for the other."""
 
 
@@ -360,7 +361,7 @@ def attend_tables(q: np.ndarray, keys: np.ndarray, values: np.ndarray, tables: n
     q [B, n_heads * head_dim]; keys, values [R, row] (float32 rows when fmt is FMT_F32, else stored rows
     of `fmt`); sequence b's position p is row tables[b, p // block_size] * block_size + p % block_size
     (prealloc: one block as long as its capacity; paged: the pool's blocks); ranges int64 [B, 3]: the
-    positions b attends, start .. end - 1, and its span (kernels.decode_span, read by the caller at
+    positions b attends, start .. end - 1, and its span (attention.decode_span, read by the caller at
     each call: a thread count compiled into a cached kernel goes stale).
 
     Every sequence's positions are cut into spans; all spans of all sequences run in parallel
@@ -393,7 +394,7 @@ _RANGES: dict[tuple[int, int, int], np.ndarray] = {}
 
 def one_range(start: int, end: int) -> np.ndarray:
     """ranges [[start, end, span]] of one query over positions start .. end - 1, its span from
-    kernels.decode_span (outside the kernel, for the thread count of this process), kept per (start,
+    attention.decode_span (outside the kernel, for the thread count of this process), kept per (start,
     end, threads): every layer of a decode step asks for the same one, and building it (decode_span and
     a small array) cost a microsecond and a half a call, against 6 of the whole call at depth 16."""
     key = (start, end, numba.config.NUMBA_NUM_THREADS)
@@ -401,7 +402,7 @@ def one_range(start: int, end: int) -> np.ndarray:
     if ranges is None:
         if len(_RANGES) >= 256:
             _RANGES.clear()
-        ranges = _RANGES[key] = np.array([[start, end, kernels.decode_span(end - start)]], np.int64)
+        ranges = _RANGES[key] = np.array([[start, end, attention.decode_span(end - start)]], np.int64)
     return ranges
 
 
@@ -416,7 +417,7 @@ def attend_rows(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int,
 def attention_decode_rows(
     q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: int, fmt: int, rotate: bool
 ) -> np.ndarray:
-    """kernels.attention_decode over stored rows keys, values [S, row_bytes] uint8 of format `fmt`.
+    """attention.attention_decode over stored rows keys, values [S, row_bytes] uint8 of format `fmt`.
 
     Each stored block of 32 values is read straight into vector registers (`inferno.kv.vectors`): a
     query head's score is a vector dot per block times the block's scale, and the values are added

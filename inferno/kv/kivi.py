@@ -21,8 +21,8 @@ import numpy as np
 from numba import prange
 
 from inferno.errors import InfernoError
-from inferno.jit import njit
-from inferno.kernels import attend_span, combine_spans, softmax_span
+from inferno.kernels.attention import attend_span, combine_spans, softmax_span
+from inferno.kernels.jit import njit
 from inferno.kv.blocks import (
     FMT_F16,
     FMT_Q4_0,

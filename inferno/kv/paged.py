@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from inferno import kernels
 from inferno.errors import InfernoError
+from inferno.kernels import attention
 from inferno.kv.base import KVCache, KVCacheFullError
 from inferno.kv.blocks import attend_tables
 from inferno.kv.dtypes import F32, ElementType, element_type
@@ -457,7 +457,7 @@ class PagedKVCache(KVCache):
         start = 0 if window is None else max(pos + 1 - window, 0)
         keys, values = self._stored_span(layer, start, pos + k.shape[0])
         keys, values = self.dtype.decode(keys, self.geometry), self.dtype.decode(values, self.geometry)
-        return kernels.attention_prefill(q, keys, values, self.geometry.heads, pos - start, window=window)
+        return attention.attention_prefill(q, keys, values, self.geometry.heads, pos - start, window=window)
 
     def attend(self, layer: int, query: np.ndarray, end: int) -> np.ndarray:
         if end > self._written[layer]:
@@ -475,7 +475,7 @@ class PagedKVCache(KVCache):
 
     def attention_range(self, group: int, end: int) -> np.ndarray:
         """int64 [start, end, span]: the positions a query at end - 1 sees in `group`, and the span of
-        positions per parallel task (kernels.decode_span, read now: not compiled into the kernel)."""
+        positions per parallel task (attention.decode_span, read now: not compiled into the kernel)."""
         window = self.groups[group].window
         start = 0 if window is None else max(end - window, 0)
-        return np.array([start, end, kernels.decode_span(end - start)], np.int64)
+        return np.array([start, end, attention.decode_span(end - start)], np.int64)

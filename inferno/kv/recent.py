@@ -28,8 +28,9 @@ import numpy as np
 from numba import prange
 
 from inferno.errors import InfernoError
-from inferno.jit import njit
-from inferno.kernels import combine_spans, decode_span, prefetch_ahead, softmax_span
+from inferno.kernels.attention import combine_spans, decode_span, softmax_span
+from inferno.kernels.jit import njit
+from inferno.kernels.llvm_ir import prefetch_ahead
 from inferno.kv.blocks import (
     BLOCK,
     FMT_Q4_64,

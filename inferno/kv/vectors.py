@@ -26,7 +26,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from inferno.llvm_ir import constant, pointer, splat
+from inferno.kernels.llvm_ir import constant, pointer, splat
 
 KIND_F16, KIND_Q8, KIND_Q4 = 0, 1, 2
 BLOCK_LANES = 32  # values of one block

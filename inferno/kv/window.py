@@ -38,8 +38,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from inferno import kernels
 from inferno.errors import InfernoError
+from inferno.kernels import attention, ops
 from inferno.kv.base import KVCache
 from inferno.kv.dtypes import DTYPES, F32, ElementType
 from inferno.kv.geometry import KVGeometry
@@ -66,7 +66,7 @@ class WindowKVCache(KVCache):
         window: int | None = None,
         sinks: int = DEFAULT_SINKS,
         positions: str = DEFAULT_POSITIONS,
-        rotary: Sequence[kernels.Rotary] | None = None,  # per layer: the model's RoPE
+        rotary: Sequence[ops.Rotary] | None = None,  # per layer: the model's RoPE
         dtype: str = F32,
     ):
         geometry = self.geometry_for(geometry, capacity, window, sinks, positions)
@@ -145,7 +145,7 @@ class WindowKVCache(KVCache):
         sinks: int = DEFAULT_SINKS,
         positions: str = DEFAULT_POSITIONS,
         dtype: str = F32,
-        rotary: Sequence[kernels.Rotary] | None = None,  # make_cache's options as they are: sizes nothing
+        rotary: Sequence[ops.Rotary] | None = None,  # make_cache's options as they are: sizes nothing
     ) -> int:
         element = cls.element_type(dtype)
         geometry = cls.geometry_for(geometry, capacity, window, sinks, positions)
@@ -325,7 +325,7 @@ class WindowKVCache(KVCache):
         if w is None or pos + n <= s + w:  # every query sees every position up to itself: prealloc's
             self.write(layer, pos, k, v)
             keys, values = self.read(layer, pos + n)
-            return kernels.attention_prefill(q, keys, values, self.geometry.heads, pos)
+            return attention.attention_prefill(q, keys, values, self.geometry.heads, pos)
         held = self.held_positions(layer)
         old_keys, old_values = self._gather(layer, held)
         keys = np.concatenate([old_keys, self._round(k)])
@@ -336,6 +336,6 @@ class WindowKVCache(KVCache):
             q_sinks = q.copy()
             back = np.maximum(0, np.arange(pos, pos + n) - (s + w - 1))
             self.rotary[layer].rotate(q_sinks, self.geometry.heads, -back)
-        out = kernels.attention_window(q, keys, values, key_pos, pos, self.geometry.heads, w, s, q_sinks)
+        out = attention.attention_window(q, keys, values, key_pos, pos, self.geometry.heads, w, s, q_sinks)
         self.write(layer, pos, k, v)
         return out

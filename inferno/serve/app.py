@@ -28,9 +28,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferno.errors import InfernoError
-from inferno.sampling import MIN_TEMPERATURE, Sampler
-from inferno.scheduler import Request as EngineRequest
-from inferno.scheduler import SchedulerFullError
+from inferno.model.sampling import MIN_TEMPERATURE, Sampler
+from inferno.runtime.scheduler import Request as EngineRequest
+from inferno.runtime.scheduler import SchedulerFullError
 from inferno.serve.engine_loop import EngineLoop, Item, LogProb, Submission
 from inferno.serve.metrics import ServerMetrics
 from inferno.serve.protocol import (
@@ -42,7 +42,7 @@ from inferno.serve.protocol import (
     error_body,
     parse,
 )
-from inferno.tokenizer import GGUFTokenizer
+from inferno.text.tokenizer import GGUFTokenizer
 
 SEED_RANGE = 2**63
 

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from inferno.analysis.token_log import probabilities
 from inferno.errors import InfernoError
-from inferno.scheduler import Event, Generation, Request, Scheduler, SchedulerFullError
+from inferno.runtime.scheduler import Event, Generation, Request, Scheduler, SchedulerFullError
 from inferno.serve.metrics import EngineState, ServerMetrics
-from inferno.token_log import probabilities
-from inferno.tokenizer import GGUFTokenizer
+from inferno.text.tokenizer import GGUFTokenizer
 
 # OpenAI's stand-in for the logprob of a token the model gives (numerically) no chance
 MIN_LOGPROB = -9999.0

@@ -1,0 +1,358 @@
+"""Dot products of 4-bit weights with float32 activations in integer arithmetic, exact to float32's
+own rounding: the inner loop of the Q4_0 and Q4_1 matrix-vector products (and of Q8_0's when the
+activations are rounded to int8, `--activations int8`).
+
+Why integers. In float, every nibble is widened and converted before its multiply-add; the CPU's byte
+dot product (AVX512-VNNI's vpdpbusd: 64 unsigned bytes times 64 signed bytes, each group of four
+products added into one of 16 int32 lanes) does the work of 64 of them in one instruction.
+
+The activations. Each block of 32 values of x is written as s * (a0 + a1/2^7 + a2/2^14 + a3/2^21),
+with int8 parts a_i and s = max|x| / 127 (`split_activations`): x / s * 2^21 is rounded to an integer
+once, whose balanced base-2^7 digits are a3, a2, a1 (each in -64..63) and a0 what is left (-127..127).
+What is left is s / 2^22 = max|x| * 2^-29 per value at most, plus the float32 rounding of x / s
+itself (2^-24 of each value): float32's own precision. Three parts
+(max|x| * 2^-22) were not enough: a block with one large value and many small ones left the small
+ones a relative error near 1e-3, and logits moved by 2e-4 against the float path. A block whose
+largest value is under 2^-90 (far from anything a layer's activations hold; its scale would lose
+bits) splits into zeros: its dot with the nibbles counts as 0, off by less than 2^-85 times the
+block's largest weight.
+
+Per block and row, S_i = sum(q * a_i) over the 32 nibbles q are exact int32 sums (|S_i| <= 32 * 15
+* 127 = 60,960), and so are S0 * 2^7 + S1 and S2 * 2^7 + S3 (under 2^23, exact in float32 too): the
+block's dot is s / 2^21 times (S0 * 2^7 + S1) * 2^14 + (S2 * 2^7 + S3), rounded once.
+
+The weights. vpdpbusd takes four consecutive bytes of a row from one 32-bit lane, so tiles hold each
+row's 16 nibble bytes as four 4-byte words: the quads of `inferno.kernels.quant`'s Layout. Byte i of quad k
+holds values 4k + i (low nibble) and 16 + 4k + i (high nibble).
+
+Q8_0 tiles keep each value's bytes side by side across lanes (its float path reads them so); the
+integer dot shuffles four values' bytes into quads, and adds 128 to each (vpdpbusd's first operand is
+unsigned), taking 128 times the part's block sum back afterwards. It is used with one part only: with
+four, the integer path would cost as many multiplies as float32 and Q8_0 reads at memory speed
+already.
+
+CPUs without AVX512-VNNI get the same sums written as widening multiplies in plain LLVM IR, which
+every target compiles (slower, same integers). Which one is built is decided from the CPU features
+Numba compiles for, the same ones its kernel cache is keyed by.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numba
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.core.codegen import get_host_cpu_features
+from numba.extending import intrinsic
+
+from inferno.kernels.jit import njit  # first: the target is set before any kernel is defined
+from inferno.kernels.llvm_ir import constant, declared, pointer, splat
+
+LANES = 16  # rows summed per call: the int32 lanes of one 512-bit register
+PARTS = 4  # int8 parts per activation: float32's precision, the default
+# What a matvec may do to its activations, by name: how many int8 parts each value is split into.
+# "int8" is one part per value, a float32 scale per block of 32: what llama.cpp's q8_0/q8_1
+# activations hold (its scale is an f16), a quarter of the multiplies, with a rounding error that
+# `kv-bench --fidelity --activations` measures.
+ACTIVATIONS = {"f32": PARTS, "int8": 1}
+PART_BITS = 7  # each part after the first weighs 2^-7 of the one before
+TINY = np.float32(2.0**-90)  # blocks whose largest value is smaller split into zeros (see the docstring)
+_BYTE, _SHORT, _INT = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+
+
+def has_vnni() -> bool:
+    """Whether the kernels are compiled for a CPU with AVX512-VNNI."""
+    return "+avx512vnni" in (numba.config.CPU_FEATURES or get_host_cpu_features()).split(",")
+
+
+@njit(cache=True, fastmath=True)
+def split_activations(x, parts, scale, sums):
+    """x float32[cols] (whole blocks of 32) -> parts int8[n, cols] (n = 1..PARTS), scale float32[blocks]
+    (s / 2^(7 (n - 1)), what multiplies a block's combined sum) and sums float32[blocks] (each block's
+    sum of x, which Q4_1's minimum and Q4_0's offset of 8 multiply)."""
+    bits = PART_BITS * (parts.shape[0] - 1)
+    digit, half = 1 << PART_BITS, 1 << (PART_BITS - 1)
+    fixed = np.empty(32, np.int32)  # the block's values in units of the last part
+    for b in range(x.size // 32):
+        top, total = np.float32(0), np.float32(0)
+        for j in range(32):
+            top = max(top, abs(x[32 * b + j]))
+            total += x[32 * b + j]
+        sums[b] = total
+        s = top / np.float32(127)
+        inverse = np.float32(1) / s if top >= TINY else np.float32(0)
+        scale[b] = s / np.float32(1 << bits)
+        # round(x / s * 2^bits) once, then peel balanced base-2^7 digits off in integers: the same sum
+        # as rounding part after part in float, and the loops over 32 values vectorize (np.rint rounds
+        # as np.round does, in 0.14 s less compiling)
+        for j in range(32):
+            fixed[j] = np.int32(np.rint(x[32 * b + j] * (inverse * np.float32(1 << bits))))
+        for p in range(parts.shape[0] - 1, 0, -1):
+            for j in range(32):
+                low = ((fixed[j] + half) & (digit - 1)) - half
+                parts[p, 32 * b + j] = np.int8(low)
+                fixed[j] = (fixed[j] - low) >> PART_BITS
+        for j in range(32):
+            parts[0, 32 * b + j] = np.int8(fixed[j])
+
+
+@njit(cache=True)
+def first_part_sums(parts, out):
+    """out[b] = the sum of block b's values of part 0 (what Q8_0's integer dots take back)."""
+    for b in range(out.size):
+        total = 0
+        for j in range(32):
+            total += np.int32(parts[0, 32 * b + j])
+        out[b] = np.float32(total)
+
+
+def _dot_bytes(builder, acc: ir.Value, unsigned: ir.Value, signed: ir.Value, vnni: bool) -> ir.Value:
+    """acc <16 x i32> plus, in lane l, the sum of the four products of bytes 4l..4l+3 of `unsigned`
+    and `signed` (<16 x i32> each holding 64 bytes): vpdpbusd, or the same in plain IR."""
+    if vnni:
+        vector = acc.type
+        dot = declared(builder.module, "llvm.x86.avx512.vpdpbusd.512", ir.FunctionType(vector, [vector] * 3))
+        return builder.call(dot, [acc, unsigned, signed])
+    bytes64 = ir.VectorType(_BYTE, 4 * LANES)
+    wide = ir.VectorType(_SHORT, 4 * LANES)
+    products = builder.mul(builder.zext(builder.bitcast(unsigned, bytes64), wide),
+                           builder.sext(builder.bitcast(signed, bytes64), wide))
+    products = builder.sext(products, ir.VectorType(_INT, 4 * LANES))
+    for i in range(4):
+        byte_i = builder.shuffle_vector(products, products, constant(_INT, list(range(i, 4 * LANES, 4))))
+        acc = builder.add(acc, byte_i)
+    return acc
+
+
+class Packing(NamedTuple):
+    """Where a packed type's tiles hold what (byte rows of a block of the tile, inferno.quant's Layout).
+    Each sub-block of 32 values keeps its low four bits as nibble quads: 16 bytes, byte i of quad k
+    holding values 4k + i (low nibble) and 16 + 4k + i (high nibble), as four 4-byte words per row.
+    Bits above the nibble lie in planes of the same shape: one 4-byte word per row, byte i of plane
+    word p holding, for Q5_0, bit m of value 4m + i (m < 4) or 16 + 4(m - 4) + i (m >= 4), and for
+    Q6_K, bits 2k..2k+1 of value 4k + i (word 0) or 16 + 4k + i (word 1)."""
+
+    sub_blocks: int  # blocks of 32 values per block of the tile
+    quads: int  # byte row of the first sub-block's nibble quads
+    stride: int  # byte rows from one sub-block's quads (and planes) to the next's
+    high_bits: int  # bits of each value above its nibble
+    planes: int  # byte row of the first sub-block's planes
+
+
+# The types whose matvec takes integer dots of packed values. Q4_0 and Q4_1 keep the file's bytes,
+# their nibbles reordered; the others are repacked at load (inferno.quant), to the file's size (Q4_K:
+# 148 bytes for 144, its 6-bit scales and minimums unpacked to a byte each at rows 4-11 and 12-19;
+# Q6_K: d, then its 16 int8 scales at rows 2-17, then eight sub-blocks of quads and two plane words).
+PACKED = {
+    int(QType.Q4_0): Packing(1, 2, 16, 0, 0),
+    int(QType.Q4_1): Packing(1, 4, 16, 0, 0),
+    int(QType.Q5_0): Packing(1, 6, 16, 1, 2),
+    int(QType.Q4_K): Packing(8, 20, 16, 0, 0),
+    int(QType.Q6_K): Packing(8, 18, 24, 2, 34),
+}
+_Q8_0, _Q4_1, _Q5_0 = int(QType.Q8_0), int(QType.Q4_1), int(QType.Q5_0)
+_Q4_K, _Q6_K = int(QType.Q4_K), int(QType.Q6_K)
+
+
+@njit(cache=True)
+def half_sums(x, out):
+    """out[h] = the sum of values 16h..16h+15 of x (what Q6_K's offset of 32 multiplies: its scales
+    change every 16 values)."""
+    for h in range(out.size):
+        total = np.float32(0)
+        for j in range(16):
+            total += x[16 * h + j]
+        out[h] = total
+
+
+@intrinsic
+def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, kind, n_parts):
+    """acc[i, g + l] += what weight row g + l of block b of tile w (uint8[block, byte, lane]) adds to
+    the product with every activation row i, for 16 rows l, from the integer dots of the block's
+    weights with parts[i] (int8[rows, n_parts, cols]); kind (the GGML type) and n_parts are
+    compile-time constants, all arrays C-contiguous. b counts blocks of 32 values (a K-quant block of
+    the tile holds eight, see PACKED).
+
+    The packed types (n_parts 1 or 4): d_l * scale[i, b] * D_il + m_l * sums[i, b], with D_il the
+    combined dot, (S0 * 2^7 + S1) * 2^14 + S2 * 2^7 + S3 for four parts or S0 for one (S_p: value *
+    part p over the block's 32 values), d_l and m_l the row's scale and minimum (Q4_0: m = -8 d;
+    Q5_0: -16 d; Q4_K: d * scale_j and -dmin * min_j of sub-block j) and sums[i, b] the block's sum
+    of x_i. Q6_K's scales change every 16 values: it sums each half on its own, d_l * scale[i, b] *
+    (sc_0 D_0 + sc_1 D_1) - 32 d_l (sc_0 sums[i, 2b] + sc_1 sums[i, 2b + 1]), its sums per 16 values.
+    Q8_0 (n_parts 1): d_l * scale[i, b] * (S'_il - 128 * sums[i, b]), with S' summing (byte + 128) *
+    part 0, the unsigned operand vpdpbusd needs, and sums[i, b] the block's sum of part 0. Its tiles
+    keep each value's bytes side by side across lanes; a shuffle makes the 4-byte quads.
+    The block's weights are unpacked, and d and m converted, once for all activation rows."""
+    arrays = (w, parts, scale, sums, acc)
+    if not all(isinstance(a, types.Array) and a.layout == "C" for a in arrays):
+        return None
+    if (w.ndim, parts.ndim, scale.ndim, sums.ndim, acc.ndim) != (3, 3, 2, 2, 2):
+        return None
+    if not all(isinstance(v, types.IntegerLiteral) for v in (kind, n_parts)):
+        return None
+    kind_, count = kind.literal_value, n_parts.literal_value
+    if not ((kind_ in PACKED and count in ACTIVATIONS.values()) or (kind_ == _Q8_0 and count == 1)):
+        return None
+    sig = types.void(w, b, g, parts, scale, sums, acc, kind, n_parts)
+
+    def codegen(context, builder, signature, args):
+        vnni = has_vnni()
+        w_v, b_v, g_v, parts_v, scale_v, sums_v, acc_v = args[:7]
+        w_t, _, _, parts_t, scale_t, sums_t, acc_t = signature.args[:7]
+        b_v = context.cast(builder, b_v, signature.args[1], types.intp)
+        g_v = context.cast(builder, g_v, signature.args[2], types.intp)
+
+        def shape(array_type, array) -> list[ir.Value]:
+            struct = context.make_array(array_type)(context, builder, array)
+            return cgutils.unpack_tuple(builder, struct.shape)
+
+        _, type_size, lanes = shape(w_t, w_v)
+        rows, _, cols = shape(parts_t, parts_v)
+        blocks = shape(scale_t, scale_v)[1]
+        acc_width = shape(acc_t, acc_v)[1]
+        ints, floats = ir.VectorType(_INT, LANES), ir.VectorType(ir.FloatType(), LANES)
+        bytes16, bytes64 = ir.VectorType(_BYTE, LANES), ir.VectorType(_BYTE, 4 * LANES)
+
+        def const(value: int) -> ir.Constant:
+            return ir.Constant(lanes.type, value)
+
+        packing = PACKED.get(kind_, Packing(1, 2, 32, 0, 0))
+        per = packing.sub_blocks
+        stored, sub = (b_v, const(0))
+        if per > 1:  # b's block of the tile, and which of its sub-blocks
+            stored, sub = builder.udiv(b_v, const(per)), builder.urem(b_v, const(per))
+        block_first = builder.mul(stored, builder.mul(type_size, lanes))
+
+        def tile_bytes(byte_row: int | ir.Value, offset: ir.Value, vector: ir.Type) -> ir.Value:
+            """The tile's bytes from byte row `byte_row` of the stored block, `offset` bytes in."""
+            row = byte_row if isinstance(byte_row, ir.Value) else const(byte_row)
+            at = builder.add(block_first, builder.add(builder.mul(lanes, row), offset))
+            return builder.load(pointer(context, builder, w_t, w_v, at, vector), align=1)
+
+        def half_lanes(byte_row: int) -> ir.Value:
+            """The f16 whose low byte is in row byte_row (high byte in the next), for lanes g..g+15."""
+            short = ir.VectorType(_SHORT, LANES)
+            low = builder.zext(tile_bytes(byte_row, g_v, bytes16), short)
+            high = builder.zext(tile_bytes(byte_row + 1, g_v, bytes16), short)
+            bits = builder.or_(low, builder.shl(high, constant(_SHORT, [8] * LANES)))
+            return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), floats)
+
+        def byte_lanes(byte_row: ir.Value, signed: bool = False) -> ir.Value:
+            """The bytes of row byte_row for lanes g..g+15, as floats."""
+            convert = builder.sitofp if signed else builder.uitofp
+            return convert(tile_bytes(byte_row, g_v, bytes16), floats)
+
+        def words(byte_row: ir.Value) -> ir.Value:
+            """The 4-byte words of a quad or plane at byte_row, for lanes g..g+15, as <64 x i8>."""
+            return tile_bytes(byte_row, builder.mul(g_v, const(4)), bytes64)
+
+        def row_of(first: int, offset: int = 0) -> ir.Value:
+            """Byte row `first + offset` of sub-block `sub` (rows from `first` advance by the stride)."""
+            return builder.add(const(first + offset), builder.mul(sub, const(packing.stride)))
+
+        d = half_lanes(0)
+        m = half_sums_scale = None
+        weights = []  # (16 rows' 4 unsigned bytes as <16 x i32>, the first of the 4 values they hold)
+        if kind_ == _Q8_0:
+            offset = constant(_BYTE, [128] * 4 * LANES)
+            for k in range(8):  # values 4k..4k+3, one byte row each, interleaved into quads
+                four = [tile_bytes(2 + 4 * k + v, g_v, bytes16) for v in range(4)]
+                pairs = [builder.shuffle_vector(four[v], four[v + 1], constant(_INT, list(range(32))))
+                         for v in (0, 2)]
+                joined = builder.shuffle_vector(pairs[0], pairs[1], constant(_INT, list(range(64))))
+                quad = builder.shuffle_vector(joined, joined, constant(
+                    _INT, [16 * v + lane for lane in range(LANES) for v in range(4)]))
+                weights.append((builder.bitcast(builder.add(quad, offset), ints), 4 * k))
+        else:
+            if kind_ == _Q4_K:
+                m = builder.fneg(builder.fmul(half_lanes(2), byte_lanes(builder.add(const(12), sub))))
+                d = builder.fmul(d, byte_lanes(builder.add(const(4), sub)))
+            elif kind_ == _Q6_K:  # the two halves' int8 scales, at rows 2 + 2j and 3 + 2j
+                half_sums_scale = [byte_lanes(builder.add(const(2 + h), builder.mul(sub, const(2))), True)
+                                   for h in range(2)]
+            elif kind_ == _Q4_1:
+                m = half_lanes(2)
+            else:  # Q4_0, Q5_0: q - 8, q - 16
+                m = builder.fmul(d, ir.Constant(floats, [-8.0 if packing.high_bits == 0 else -16.0] * LANES))
+
+            def byte_splat(value: int) -> ir.Constant:
+                return constant(_BYTE, [value] * 4 * LANES)
+
+            planes = [words(row_of(packing.planes, 4 * p)) for p in range(packing.high_bits)]
+            for k in range(4):
+                quad = words(row_of(packing.quads, 4 * k))
+                nibbles = (builder.and_(quad, byte_splat(15)), builder.lshr(quad, byte_splat(4)))
+                for half, value in enumerate(nibbles):
+                    if packing.high_bits:  # Q5_0: bit k + 4 half of the plane; Q6_K: bits 2k.. of plane half
+                        one = packing.high_bits == 1
+                        plane, bit = (planes[0], k + 4 * half) if one else (planes[half], 2 * k)
+                        mask = (1 << packing.high_bits) - 1
+                        high = builder.and_(builder.lshr(plane, byte_splat(bit)), byte_splat(mask))
+                        value = builder.or_(value, builder.shl(high, byte_splat(4)))
+                    weights.append((builder.bitcast(value, ints), 16 * half + 4 * k))
+
+        with cgutils.for_range(builder, rows) as loop:
+            i = loop.index
+            row_parts = builder.mul(i, builder.mul(cols, ir.Constant(cols.type, count)))
+            x_at = builder.mul(b_v, ir.Constant(b_v.type, 32))
+
+            def broadcast_x(part: int, value: int) -> ir.Value:
+                """Values value..value+3 of the block's part `part` of row i, in every lane."""
+                flat = builder.add(builder.add(row_parts, builder.mul(cols, ir.Constant(cols.type, part))),
+                                   builder.add(x_at, ir.Constant(x_at.type, value)))
+                word = builder.load(pointer(context, builder, parts_t, parts_v, flat, _INT), align=1)
+                return splat(builder, word, LANES)
+
+            halves = 2 if half_sums_scale else 1  # Q6_K: values 0-15 and 16-31 summed apart
+            totals = [[ir.Constant(ints, [0] * LANES)] * count for _ in range(halves)]
+            for values, value in weights:  # the parts' independent chains interleaved
+                t = totals[value // 16 if halves == 2 else 0]
+                for part in range(count):
+                    t[part] = _dot_bytes(builder, t[part], values, broadcast_x(part, value), vnni)
+
+            def pair(first: ir.Value, second: ir.Value) -> ir.Value:  # first * 2^7 + second, exact as a float
+                joined = builder.add(builder.shl(first, constant(_INT, [PART_BITS] * LANES)), second)
+                return builder.sitofp(joined, floats)
+
+            def combined(t: list[ir.Value]) -> ir.Value:
+                if count == 1:
+                    return builder.sitofp(t[0], floats)
+                weight = ir.Constant(floats, [float(1 << 2 * PART_BITS)] * LANES)
+                return builder.fadd(builder.fmul(pair(t[0], t[1]), weight), pair(t[2], t[3]))
+
+            def load_splat(array_type, array, at: ir.Value) -> ir.Value:
+                return splat(builder, builder.load(pointer(context, builder, array_type, array, at,
+                                                           ir.FloatType())), LANES)
+
+            cell = builder.add(builder.mul(i, blocks), b_v)
+            row_scale = load_splat(scale_t, scale_v, cell)
+            if halves == 2:
+                sc0, sc1 = half_sums_scale
+                total = builder.fadd(builder.fmul(sc0, combined(totals[0])),
+                                     builder.fmul(sc1, combined(totals[1])))
+                half_cell = builder.mul(builder.add(builder.mul(i, blocks), b_v), const(2))
+                s0 = load_splat(sums_t, sums_v, half_cell)
+                s1 = load_splat(sums_t, sums_v, builder.add(half_cell, const(1)))
+                offsets = builder.fadd(builder.fmul(sc0, s0), builder.fmul(sc1, s1))
+                scaled = builder.fmul(row_scale, total)
+                thirty_two = ir.Constant(floats, [32.0] * LANES)
+                added = builder.fmul(d, builder.fsub(scaled, builder.fmul(thirty_two, offsets)))
+            else:
+                total = combined(totals[0])
+                row_sum = load_splat(sums_t, sums_v, cell)
+                if m is None:  # Q8_0: take back the 128 added to every weight byte (exact: both under 2^24)
+                    total = builder.fsub(total, builder.fmul(row_sum, ir.Constant(floats, [128.0] * LANES)))
+                    added = builder.fmul(d, builder.fmul(row_scale, total))
+                else:
+                    scaled = builder.fmul(d, builder.fmul(row_scale, total))
+                    added = builder.fadd(scaled, builder.fmul(m, row_sum))
+            cell = builder.add(builder.mul(i, acc_width), g_v)
+            target = pointer(context, builder, acc_t, acc_v, cell, floats)
+            builder.store(builder.fadd(builder.load(target, align=4), added), target, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen

@@ -1,0 +1,680 @@
+"""Weight matrices kept in their GGUF block type, with Numba kernels that compute straight from the blocks.
+
+Layout. At load time a matrix's blocks are regrouped into tiles of `lanes` rows: uint8[tile, block,
+byte, lane], i.e. byte p of block b of row `tile * lanes + lane` sits at [tile, b, p, lane]. The same
+byte of `lanes` consecutive rows is contiguous, so the kernels loop over lanes (rows) innermost and
+LLVM turns that into plain SIMD loads with no per-block horizontal sums. Q4_0 and Q4_1 blocks keep
+their scales that way, but their 16 nibble bytes go by quads: the block's bytes from `qs` on are
+uint8[quad k, lane, 4], bytes 4k..4k+3 of each row side by side, the shape of the CPU's byte dot
+product (see inferno.kernels.nibble_dots). Only the order changes, so memory stays the size of the file's
+tensor.
+
+Arithmetic. Dequantization repeats gguf-py's float32 operations in the same order (no fast-math, so no
+fused multiply-adds) and is bit-identical to `gguf.quants.dequantize`. The matrix-vector kernels
+regroup the sums: for Q4_1, dot(x, d*q + m) over a block is d*sum(x*q) + m*sum(x), with the block
+sums of x computed once per call; the 4-bit types take sum(x*q) in integers, from x split into int8
+parts once per call (inferno.kernels.nibble_dots; Q8_0 too when x is rounded to int8), the others in float32.
+
+Compilation. Kernels are built per GGML type on first use (see `_kernels`) and cached on disk by Numba.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+from collections.abc import Callable
+from typing import BinaryIO, NamedTuple
+
+import gguf
+import numba
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+from llvmlite import ir
+from numba import prange, types
+from numba.extending import intrinsic, overload
+
+from inferno.errors import InfernoError
+from inferno.kernels.jit import njit
+from inferno.kernels.llvm_ir import float_from_bits, prefetch_ahead
+from inferno.kernels.nibble_dots import (
+    ACTIVATIONS,
+    PACKED,
+    first_part_sums,
+    half_sums,
+    quant_dots,
+    split_activations,
+)
+from inferno.kernels.nibble_dots import LANES as NIBBLE_LANES
+from inferno.kernels.repack import TILE_BYTES, repack
+
+TILE_ROWS = 32  # lanes per tile: full SIMD loops, yet enough tiles to share small matrices between threads
+WIDE_TILE_ROWS = 64  # for 4-bit blocks, whose matvec measured 1.2x faster on 64 lanes (Q8_0: 1.4x slower)
+MATMUL_CHUNK_BYTES = 8 << 20  # float32 scratch holding one chunk of dequantized rows in matmul
+MATMUL_MIN_ROWS = 8  # below this many rows of x, matvec per row beats dequantizing the weight for BLAS
+LOAD_CHUNK_BYTES = 4 << 20  # file bytes read per step while repacking
+
+SUPPORTED = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0,
+             QType.Q5_1, QType.Q4_K, QType.Q5_K, QType.Q6_K)
+# Types whose matvec computes from the blocks; the others dequantize a tile at a time and take dots.
+FUSED = (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q4_K, QType.Q6_K)
+
+# Plain ints, which Numba freezes as constants.
+F32, F16, BF16 = int(QType.F32), int(QType.F16), int(QType.BF16)
+Q8_0, Q4_0, Q4_1 = int(QType.Q8_0), int(QType.Q4_0), int(QType.Q4_1)
+Q5_0, Q5_1 = int(QType.Q5_0), int(QType.Q5_1)
+Q4_K, Q5_K, Q6_K = int(QType.Q4_K), int(QType.Q5_K), int(QType.Q6_K)
+K_SUB_BLOCKS = PACKED[Q4_K].sub_blocks
+
+
+def integer_parts(kind: int, activations: str) -> int:
+    """How many int8 parts a matvec of this type splits x into under `activations` (see
+    nibble_dots.ACTIVATIONS); 0: it multiplies in float32. The 4-bit types always take integers (four
+    parts keep float32's precision); Q8_0 only with one part ("int8"), where they pay."""
+    parts = ACTIVATIONS[activations]
+    return parts if kind in PACKED or (kind == Q8_0 and parts == 1) else 0
+
+_matmul_scratch = np.empty(0, np.float32)  # grown on demand, shared by all matrices
+
+
+def uses_blas(n_rows: int) -> bool:
+    """The one decision between kernels: x of n_rows rows goes through BLAS matmul on dequantized
+    chunks, or through one matrix-vector product per row (decode, short prompts)."""
+    return n_rows >= MATMUL_MIN_ROWS
+
+
+class QuantizedMatrix:
+    """A 2-D weight [rows=out_features, cols=in_features] kept in its GGUF block type."""
+
+    def __init__(self, name: str, qtype: QType, rows: int, cols: int, tiles: np.ndarray):
+        self.name, self.qtype, self.rows, self.cols = name, qtype, rows, cols
+        self.nbytes = tiles.nbytes
+        self._tiles = tiles
+        self._kernels = _kernels(int(qtype))
+        self._matvec = _matvec(int(qtype), integer_parts(int(qtype), "f32"))
+        self._activations = "f32"
+        self.parts = [(0, rows)]  # (first row, rows) of each stacked weight (see from_tensors)
+        self.part_names = [name]  # the weight in each part
+
+    @classmethod
+    def from_tensor(cls, tensor: gguf.ReaderTensor) -> QuantizedMatrix:
+        return cls.from_tensors([tensor])
+
+    @classmethod
+    def from_tensors(cls, tensors: list[gguf.ReaderTensor]) -> QuantizedMatrix:
+        """The rows of several weights of one block type and row length, one weight after another,
+        each starting on a tile boundary (see `parts`): one kernel call computes them all."""
+        shapes = [_matrix_shape(t) for t in tensors]
+        qtype, cols = shapes[0][0], shapes[0][2]
+        if any((q, c) != (qtype, cols) for q, _, c in shapes):
+            raise ValueError(f"cannot stack {[t.name for t in tensors]}: block types or row lengths differ")
+        shape, parts = tile_layout(qtype, [rows for _, rows, _ in shapes], cols)
+        tiles = np.empty(shape, np.uint8)
+        lanes = shape[3]
+        for tensor, (first, rows) in zip(tensors, parts, strict=True):
+            _read_tiles(tensor, rows, tiles[first // lanes : (first + rows + lanes - 1) // lanes])
+        return cls.from_tiles([t.name for t in tensors], qtype, cols, tiles, parts)
+
+    @classmethod
+    def from_tiles(
+        cls, names: list[str], qtype: QType, cols: int, tiles: np.ndarray, parts: list[tuple[int, int]]
+    ) -> QuantizedMatrix:
+        """Weights `names` already in tiles (as from_tensors lays them out, parts included); tiles
+        of another shape, type or layout are refused (ValueError), never indexed out of bounds."""
+        shape, want = tile_layout(qtype, [rows for _, rows in parts], cols)
+        if len(names) != len(parts) or list(map(tuple, parts)) != want:
+            raise ValueError(f"{'+'.join(names)}: parts {parts} are not those of its rows")
+        if tiles.dtype != np.uint8 or tiles.shape != shape or not tiles.flags.c_contiguous:
+            raise ValueError(f"{'+'.join(names)}: tiles {tiles.dtype} {tiles.shape}, expected uint8 {shape}")
+        matrix = cls("+".join(names), qtype, sum(parts[-1]), cols, tiles)
+        matrix.parts, matrix.part_names = [tuple(p) for p in parts], list(names)
+        return matrix
+
+    @property
+    def activations(self) -> str:
+        """How matvec takes x (a name in nibble_dots.ACTIVATIONS): "f32", float32's precision, the
+        default; "int8", one int8 part per value (the 4-bit types and Q8_0; the others stay float32)."""
+        return self._activations
+
+    @activations.setter
+    def activations(self, name: str) -> None:
+        if name not in ACTIVATIONS:
+            raise ValueError(f"activations {name!r}: expected one of {', '.join(ACTIVATIONS)}")
+        self._activations = name
+        self._matvec = _matvec(int(self.qtype), integer_parts(int(self.qtype), name))
+
+    @property
+    def tiles(self) -> np.ndarray:
+        """The blocks, uint8[tile, block, byte, lane] (see the module's Layout)."""
+        return self._tiles
+
+    def first_tile(self) -> QuantizedMatrix:
+        """The rows of this matrix's first tile as a matrix of their own: the same kernels on a few rows
+        (the warm-up runs the BLAS path's kernels on it, not on the whole weight)."""
+        lanes = self._tiles.shape[3]
+        return QuantizedMatrix(self.name, self.qtype, min(lanes, self.rows), self.cols, self._tiles[:1])
+
+    def __repr__(self) -> str:
+        return f"QuantizedMatrix({self.name!r}, {self.qtype.name}, rows={self.rows}, cols={self.cols})"
+
+    def matvec(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """W @ x: float32[cols] -> float32[rows]."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.shape != (self.cols,):
+            raise ValueError(f"{self.name}: matvec needs x of shape ({self.cols},), got {x.shape}")
+        if out is None:
+            out = np.empty(self.rows, np.float32)
+        elif out.shape != (self.rows,) or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise ValueError(f"{self.name}: out must be contiguous float32 of shape ({self.rows},)")
+        # As many chunks of tiles as Numba may ever run threads (numba.get_num_threads() costs more than a
+        # small matvec's arithmetic); prange spreads them over the threads currently enabled.
+        self._matvec(self._tiles, x, out, numba.config.NUMBA_NUM_THREADS)
+        return out
+
+    def matmul(self, x: np.ndarray, part: int | None = None) -> np.ndarray:
+        """x @ W.T: float32[n, cols] -> float32[n, rows], for prefill; with `part`, only the rows of
+        that stacked weight (see from_tensors). Dequantizes a chunk of tiles at a time, in parallel,
+        into a shared scratch holding W.T's columns, and hands it to BLAS."""
+        global _matmul_scratch
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != self.cols:
+            raise ValueError(f"{self.name}: matmul needs x of shape (n, {self.cols}), got {x.shape}")
+        start, rows = (0, self.rows) if part is None else self.parts[part]
+        out = np.empty((x.shape[0], rows), np.float32)
+        if not uses_blas(x.shape[0]):
+            for i, v in enumerate(x):
+                if part is None:
+                    self.matvec(v, out[i])
+                else:
+                    out[i] = self.matvec(v)[start : start + rows]
+            return out
+        lanes = self._tiles.shape[3]
+        tiles = self._tiles[start // lanes : (start + rows + lanes - 1) // lanes]
+        step = min(len(tiles), max(1, MATMUL_CHUNK_BYTES // (4 * self.cols * lanes)))  # tiles per chunk
+        if _matmul_scratch.size < step * lanes * self.cols:
+            _matmul_scratch = np.empty(step * lanes * self.cols, np.float32)
+        for first in range(0, len(tiles), step):
+            n = min(step, len(tiles) - first)
+            w_t = _matmul_scratch[: self.cols * n * lanes].reshape(self.cols, n * lanes)
+            self._kernels.dequantize_transposed(tiles[first : first + n], w_t, numba.config.NUMBA_NUM_THREADS)
+            m = min(n * lanes, rows - first * lanes)  # the last tile's padding rows are dropped
+            np.matmul(x, w_t[:, :m], out=out[:, first * lanes : first * lanes + m])
+        return out
+
+    def dequantize(self) -> np.ndarray:
+        """float32[rows, cols], bit-identical to gguf.quants.dequantize."""
+        return self.rows_at(np.arange(self.rows))
+
+    def rows_at(self, ids: np.ndarray) -> np.ndarray:
+        """float32[len(ids), cols]: the rows `ids` dequantized (an embedding lookup)."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.rows):
+            raise IndexError(f"{self.name}: row ids must be in [0, {self.rows})")
+        out = np.empty((ids.size, self.cols), np.float32)
+        self._kernels.dequantize_rows(self._tiles, ids, out)
+        return out
+
+
+def tensor_to_float32(tensor: gguf.ReaderTensor) -> np.ndarray:
+    """A small tensor (norm weight, bias) as an owned float32 array in numpy (reversed GGML) order."""
+    qtype = _check_supported(tensor)
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    return np.array(gguf.quants.dequantize(tensor.data, qtype), dtype=np.float32).reshape(shape)
+
+
+def _check_supported(tensor: gguf.ReaderTensor) -> QType:
+    try:
+        qtype = QType(tensor.tensor_type)
+    except ValueError:
+        qtype = None
+    if qtype not in SUPPORTED:
+        kind = qtype.name if qtype is not None else f"#{int(tensor.tensor_type)}"
+        raise InfernoError(f"tensor {tensor.name}: type {kind} is not supported "
+                           f"(supported: {', '.join(t.name for t in SUPPORTED)})")
+    return qtype
+
+
+def _matrix_shape(tensor: gguf.ReaderTensor) -> tuple[QType, int, int]:
+    """(block type, rows, cols) of a 2-D weight we can compute with."""
+    qtype = _check_supported(tensor)
+    dims = [int(n) for n in tensor.shape]
+    if len(dims) != 2:
+        raise InfernoError(f"tensor {tensor.name}: expected a 2-D weight, got shape {dims}")
+    cols, rows = dims  # GGML order: ne0, the contiguous row length, first
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if cols % block:
+        raise InfernoError(f"tensor {tensor.name}: row length {cols} is not a multiple of the "
+                           f"{qtype.name} block size {block}")
+    return qtype, rows, cols
+
+
+def tile_layout(qtype: QType, rows: list[int], cols: int) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
+    """The tiles' shape holding weights of `rows` rows each, stacked, and each one's (first row, rows)."""
+    if qtype not in SUPPORTED:
+        raise ValueError(f"block type {qtype!r} is not supported")
+    lanes = WIDE_TILE_ROWS if int(qtype) in PACKED else TILE_ROWS
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    type_size = TILE_BYTES.get(int(qtype), type_size)
+    if cols < 1 or cols % block or min(rows, default=0) < 1:
+        raise ValueError(f"{qtype.name} weights of {rows} rows of {cols} cannot be tiled")
+    parts, first = [], 0
+    for n in rows:
+        parts.append((first * lanes, n))
+        first += -(-n // lanes)
+    return (first, cols // block, type_size, lanes), parts
+
+
+def _read_tiles(tensor: gguf.ReaderTensor, rows: int, tiles: np.ndarray) -> None:
+    """Fill tiles uint8[tiles, blocks, type_size, lanes] with the tensor's blocks, zero rows padding the
+    last tile.
+
+    Read from the file a few tiles at a time rather than through the reader's memory map: pages touched
+    in the map would stay resident next to the repacked copy, doubling the model's memory."""
+    ntiles, nblocks, _, lanes = tiles.shape
+    kind = int(tensor.tensor_type)
+    type_size = gguf.GGML_QUANT_SIZES[QType(kind)][1]  # the file's
+    row_bytes = nblocks * type_size
+    step = max(1, LOAD_CHUNK_BYTES // (lanes * row_bytes))  # tiles per read
+    with _open_tensor_bytes(tensor) as f:
+        for t in range(0, ntiles, step):
+            n = min(step, ntiles - t)
+            want = min(n * lanes, rows - t * lanes) * row_bytes
+            chunk = np.zeros(n * lanes * row_bytes, np.uint8)
+            if f.readinto(memoryview(chunk)[:want]) != want:
+                raise InfernoError(f"tensor {tensor.name}: file ends inside the tensor's data")
+            repack(chunk.reshape(n * lanes, nblocks, type_size), tiles[t : t + n], kind)
+
+
+def _open_tensor_bytes(tensor: gguf.ReaderTensor) -> BinaryIO:
+    """A binary stream positioned at the tensor's first byte: the mapped file when the tensor's array
+    is a view of an np.memmap (as GGUFReader's are), else the array's own bytes."""
+    array = tensor.data
+    while isinstance(array, np.ndarray):
+        if isinstance(array, np.memmap) and array.filename:
+            f = open(array.filename, "rb")  # noqa: SIM115 (closed by the caller's with-block)
+            f.seek(int(tensor.data_offset))
+            return f
+        array = array.base
+    return io.BytesIO(np.ascontiguousarray(tensor.data).view(np.uint8).reshape(-1)[: int(tensor.n_bytes)])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Scalar helpers. `w` is one tile: uint8[block, byte, lane].
+
+
+@intrinsic
+def _halffloat_from_bits(typingctx, bits):
+    """IEEE half -> float32 with the CPU's conversion instruction. Exact for every finite value and inf;
+    only a signalling NaN's payload may differ from numpy (it comes back quieted)."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+@njit(cache=True)
+def _u16(w, b, p, r):
+    return np.uint16(w[b, p, r] | (np.uint32(w[b, p + 1, r]) << 8))
+
+
+@njit(cache=True)
+def _f16(w, b, p, r):
+    """The little-endian half at bytes p, p+1 of block b, lane r."""
+    return _halffloat_from_bits(_u16(w, b, p, r))
+
+
+@njit(cache=True)
+def _lo(v):
+    return np.int32(v & 15)
+
+
+@njit(cache=True)
+def _hi(v):
+    return np.int32(v >> 4)
+
+
+@njit(cache=True)
+def _zero(a):
+    # an explicit loop: slice assignment (a[:] = 0) makes Numba compile extra helpers, slowing cold start
+    for i in range(a.size):
+        a[i] = 0
+
+
+@njit(cache=True)
+def _scale_min_k4(w, b, j, r):
+    """6-bit scale and min of sub-block j of a Q4_K/Q5_K block (12 packed bytes from byte 4)."""
+    if j < 4:
+        return np.float32(w[b, 4 + j, r] & 63), np.float32(w[b, 8 + j, r] & 63)
+    sc = (w[b, 8 + j, r] & 15) | ((w[b, j, r] >> 6) << 4)
+    m = (w[b, 8 + j, r] >> 4) | ((w[b, 4 + j, r] >> 6) << 4)
+    return np.float32(sc), np.float32(m)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Exact dequantization of lanes [r0, r1) of one tile, transposed: out[col, lane - r0]. Lanes are the
+# innermost loop so whole tiles vectorize. Same float32 operations, in the same order, as gguf/quants.py.
+
+
+@njit(cache=True)
+def _deq_f32(w, r0, r1, out):
+    for c in range(w.shape[0]):
+        for r in range(r0, r1):
+            bits = np.uint32(_u16(w, c, 0, r)) | (np.uint32(_u16(w, c, 2, r)) << 16)
+            out[c, r - r0] = float_from_bits(bits)
+
+
+@njit(cache=True)
+def _deq_f16(w, r0, r1, out):
+    for c in range(w.shape[0]):
+        for r in range(r0, r1):
+            out[c, r - r0] = _f16(w, c, 0, r)
+
+
+@njit(cache=True)
+def _deq_bf16(w, r0, r1, out):
+    for c in range(w.shape[0]):
+        for r in range(r0, r1):
+            out[c, r - r0] = float_from_bits(np.uint32(_u16(w, c, 0, r)) << 16)
+
+
+@njit(cache=True)
+def _deq_q8_0(w, r0, r1, out):
+    for b in range(w.shape[0]):
+        for j in range(32):
+            for r in range(r0, r1):
+                out[32 * b + j, r - r0] = np.float32(np.int8(w[b, 2 + j, r])) * _f16(w, b, 0, r)
+
+
+@njit(cache=True)
+def _packed_value(words, b, quads, planes, high_bits, k, q, c, i, half):
+    """Value 16 half + 4k + i of lane q * n + c of the sub-block whose quads start at byte row `quads`
+    and planes at `planes` (inferno.nibble_dots.Packing): the 32-bit word [b, row + q, c] holds word
+    row // 4 of lane q * n + c, n = lanes / 4."""
+    v = (words[b, quads + 4 * k + q, c] >> np.uint32(8 * i + 4 * half)) & np.uint32(15)
+    if high_bits == 1:
+        v |= ((words[b, planes + q, c] >> np.uint32(8 * i + k + 4 * half)) & np.uint32(1)) << np.uint32(4)
+    elif high_bits == 2:
+        v |= ((words[b, planes + 4 * half + q, c] >> np.uint32(8 * i + 2 * k)) & np.uint32(3)) << np.uint32(4)
+    return np.int32(v)
+
+
+@njit(cache=True)
+def _deq_packed(w, r0, r1, out, kind, per, quads, stride, high_bits, planes):
+    """The packed types (inferno.nibble_dots.PACKED; its fields after kind), from their tiles."""
+    words = w.view(np.uint32)
+    n = words.shape[2]
+    for b in range(w.shape[0]):
+        for j in range(per):
+            for k in range(4):
+                for q in range(4):
+                    for c in range(max(0, r0 - q * n), min(n, r1 - q * n)):
+                        r = q * n + c
+                        d = _f16(w, b, 0, r)
+                        for half in range(2):
+                            e = 32 * (per * b + j) + 16 * half + 4 * k
+                            if kind == Q4_K:
+                                dl = d * np.float32(w[b, 4 + j, r])
+                                ml = _f16(w, b, 2, r) * np.float32(w[b, 12 + j, r])
+                            elif kind == Q6_K:
+                                dl = d * np.float32(np.int8(w[b, 2 + 2 * j + half, r]))
+                            for i in range(4):
+                                v = _packed_value(words, b, quads + stride * j, planes + stride * j,
+                                                  high_bits, k, q, c, i, half)
+                                if kind == Q4_0:
+                                    out[e + i, r - r0] = d * np.float32(v - 8)
+                                elif kind == Q4_1:
+                                    out[e + i, r - r0] = d * np.float32(v) + _f16(w, b, 2, r)
+                                elif kind == Q5_0:
+                                    out[e + i, r - r0] = d * np.float32(v - 16)
+                                elif kind == Q4_K:
+                                    out[e + i, r - r0] = dl * np.float32(v) - ml
+                                else:
+                                    out[e + i, r - r0] = dl * np.float32(v - 32)
+
+
+@njit(cache=True)
+def _deq_q4_0(w, r0, r1, out):
+    _deq_packed(w, r0, r1, out, Q4_0, 1, 2, 16, 0, 0)
+
+
+@njit(cache=True)
+def _deq_q4_1(w, r0, r1, out):
+    _deq_packed(w, r0, r1, out, Q4_1, 1, 4, 16, 0, 0)
+
+
+@njit(cache=True)
+def _deq_q5_0(w, r0, r1, out):
+    _deq_packed(w, r0, r1, out, Q5_0, 1, 6, 16, 1, 2)
+
+
+@njit(cache=True)
+def _deq_q4_k(w, r0, r1, out):
+    _deq_packed(w, r0, r1, out, Q4_K, 8, 20, 16, 0, 0)
+
+
+@njit(cache=True)
+def _deq_q6_k(w, r0, r1, out):
+    _deq_packed(w, r0, r1, out, Q6_K, 8, 18, 24, 2, 34)
+
+
+@njit(cache=True)
+def _q5(w, b, qh, qs, j, r):
+    """5-bit value j of a Q5_0/Q5_1 block: 4 low bits from the nibbles at byte qs, the 5th from the
+    little-endian 32-bit mask at byte qh."""
+    v = w[b, qs + (j & 15), r]
+    low = _lo(v) if j < 16 else _hi(v)
+    return low | np.int32(((w[b, qh + (j >> 3), r] >> (j & 7)) & 1) << 4)
+
+
+@njit(cache=True)
+def _deq_q5_1(w, r0, r1, out):
+    for b in range(w.shape[0]):
+        for j in range(32):
+            for r in range(r0, r1):
+                d, m = _f16(w, b, 0, r), _f16(w, b, 2, r)
+                out[32 * b + j, r - r0] = d * np.float32(_q5(w, b, 4, 8, j, r)) + m
+
+
+@njit(cache=True)
+def _deq_k4(w, r0, r1, out, qs, qh):
+    """Q5_K: sub-block j of 32 is dl*q - ml. The 4 low bits of sub-blocks 2c, 2c+1
+    are the low/high nibbles of bytes qs+32c..+31; Q5_K's 5th bit of element i of sub-block j is bit j
+    of byte qh+i."""
+    for b in range(w.shape[0]):
+        for j in range(8):
+            for i in range(32):
+                for r in range(r0, r1):
+                    sc, m = _scale_min_k4(w, b, j, r)
+                    dl, ml = _f16(w, b, 0, r) * sc, _f16(w, b, 2, r) * m
+                    v = w[b, qs + 32 * (j >> 1) + i, r]
+                    q = _lo(v) if j % 2 == 0 else _hi(v)
+                    if qh >= 0:
+                        q |= np.int32(((w[b, qh + i, r] >> j) & 1) << 4)
+                    out[256 * b + 32 * j + i, r - r0] = dl * np.float32(q) - ml
+
+
+@njit(cache=True)
+def _deq_q5_k(w, r0, r1, out):
+    _deq_k4(w, r0, r1, out, 48, 16)
+
+
+_DEQUANTIZE = {F32: _deq_f32, F16: _deq_f16, BF16: _deq_bf16, Q8_0: _deq_q8_0, Q4_0: _deq_q4_0,
+               Q4_1: _deq_q4_1, Q5_0: _deq_q5_0, Q5_1: _deq_q5_1, Q4_K: _deq_q4_k, Q5_K: _deq_q5_k,
+               Q6_K: _deq_q6_k}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fused tile dot products: acc[lane] += (row lane of the tile) . x. `xs` holds the sums of x over each
+# 32-element block; `s` is float32[4, lanes] scratch for per-block partial sums (K-quants). The loops
+# over lanes vectorize. For the 32-element blocks, a block's sum for one lane is a loop of fixed length
+# inside the lane loop: LLVM unrolls it, so the lane loop vectorizes with the partial sums in registers
+# (an array of per-lane partial sums kept them in memory: Q8_0 matvec 3.5x slower). The loop is written
+# out in each kernel: a helper inlined with inline="always" compiled to scalar code (10x slower) on a
+# first, uncached compile. That inner loop must be short enough for LLVM to unroll it fully (else it stays
+# the innermost loop and the lane loop runs scalar): Q5_0 and Q6_K split theirs into 16-step loops.
+
+
+@njit(cache=True, fastmath=True)
+def _dot_q8_0(w, x, xs, acc, s):
+    for b in range(w.shape[0]):
+        prefetch_ahead(w, b)
+        for r in range(acc.size):
+            part = np.float32(0)
+            for j in range(32):
+                part += x[32 * b + j] * np.float32(np.int8(w[b, 2 + j, r]))
+            acc[r] += _f16(w, b, 0, r) * part
+
+
+@njit(cache=True, fastmath=True)
+def _dot_integer(w, parts, scale, sums, acc, kind, n_parts):
+    """acc[i, lane] += row lane of tile w . x_i for each row i of x, from x_i's n_parts int8 parts, each
+    block's scale and its sums (inferno.kernels.nibble_dots.quant_dots): parts [rows, n_parts, cols], scale
+    and sums [rows, blocks]; kind and n_parts compile-time constants."""
+    per = K_SUB_BLOCKS if kind in (Q4_K, Q6_K) else 1  # blocks of 32 values per block of the tile
+    for b in range(scale.shape[1]):  # blocks of 32 values
+        if b % per == 0:
+            prefetch_ahead(w, b // per)
+        for g in range(0, acc.shape[1], NIBBLE_LANES):
+            quant_dots(w, b, g, parts, scale, sums, acc, kind, n_parts)
+
+
+_DOT = {Q8_0: _dot_q8_0}
+assert set(_DOT) | set(PACKED) == {int(t) for t in FUSED}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dispatch. The drivers below are built per type by `_matvec(kind, n_parts)` and `_kernels(kind)`, with
+# `kind` and `n_parts` closure constants: Numba sees them as literals, so these typing-time dispatchers
+# pick one type's functions and only those get compiled. (Closures over plain ints are cached like
+# module functions; closures over dispatchers would not be, hence the indirection.)
+
+
+def _dequantize_tile(kind, w, r0, r1, out):
+    """Dequantize lanes [r0, r1) of tile w into out[col, lane - r0] (dispatch stub, see the overload)."""
+    raise NotImplementedError
+
+
+@overload(_dequantize_tile, prefer_literal=True)
+def _dequantize_tile_impl(kind, w, r0, r1, out):
+    deq = _DEQUANTIZE[kind.literal_value]
+    return lambda kind, w, r0, r1, out: deq(w, r0, r1, out)
+
+
+def _tile_dot(kind, w, x, xq, acc, work, n_parts):
+    """acc = tile w @ x (dispatch stub, resolved by the overload below). xq: what every tile uses of x
+    (its block sums, or for Q8_0 in integers its part sums; with integer dots its int8 parts and block
+    scales); work: one thread's scratch (float32[4, lanes], and for unfused types float32[cols,
+    lanes]); n_parts: how many int8 parts x is split into (integer_parts; 0: float32)."""
+    raise NotImplementedError
+
+
+@overload(_tile_dot, prefer_literal=True)
+def _tile_dot_impl(kind, w, x, xq, acc, work, n_parts):
+    if n_parts.literal_value:
+        type_, count = kind.literal_value, n_parts.literal_value
+
+        def integer(kind, w, x, xq, acc, work, n_parts):
+            _zero(acc)
+            sums, parts, scale = xq
+            _dot_integer(w, parts.reshape(1, parts.shape[0], parts.shape[1]), scale.reshape(1, scale.size),
+                         sums.reshape(1, sums.size), acc.reshape(1, acc.size), type_, count)
+
+        return integer
+    if kind.literal_value in _DOT:
+        dot = _DOT[kind.literal_value]
+
+        def fused(kind, w, x, xq, acc, work, n_parts):
+            _zero(acc)
+            dot(w, x, xq[0], acc, work[0])
+
+        return fused
+    deq = _DEQUANTIZE[kind.literal_value]
+
+    def dequantized(kind, w, x, xq, acc, work, n_parts):
+        scratch = work[1]
+        deq(w, 0, acc.size, scratch)
+        _zero(acc)
+        for c in range(x.size):
+            for r in range(acc.size):
+                acc[r] += scratch[c, r] * x[c]
+
+    return dequantized
+
+
+@functools.cache
+def _matvec(kind: int, n_parts: int) -> Callable:
+    """The matvec of one type, with x split into n_parts int8 parts (0: float32; see integer_parts)."""
+    fused, integer = kind in _DOT or n_parts > 0, n_parts > 0
+
+    @njit(cache=True, parallel=True, fastmath=True)
+    def matvec(tiles, x, out, nchunks):
+        ntiles, lanes = tiles.shape[0], tiles.shape[3]
+        nblocks = x.size // 32  # the float types' rows need not be whole blocks; they ignore xq
+        xs = np.zeros(2 * nblocks if kind == Q6_K else nblocks, np.float32)
+        parts = np.empty((n_parts, x.size if integer else 0), np.int8)
+        scale = np.empty(nblocks if integer else 0, np.float32)
+        if integer:
+            split_activations(x, parts, scale, xs[:nblocks])
+            if kind == Q8_0:  # its dots take back 128 times the sum of each block's part
+                first_part_sums(parts, xs)
+            elif kind == Q6_K:  # its offset of 32 takes sums of every 16 values
+                half_sums(x, xs)
+        else:
+            for b in range(nblocks):
+                for j in range(32):
+                    xs[b] += x[32 * b + j]
+        nchunks = min(ntiles, nchunks)
+        for c in prange(nchunks):  # one run of tiles per thread, so scratch is allocated once per thread
+            acc = np.empty(lanes, np.float32)
+            work = (np.empty((4, lanes), np.float32),
+                    np.empty((0 if fused else x.size, lanes), np.float32))
+            for t in range(c * ntiles // nchunks, (c + 1) * ntiles // nchunks):
+                _tile_dot(kind, tiles[t], x, (xs, parts, scale), acc, work, n_parts)
+                for r in range(min(lanes, out.size - t * lanes)):
+                    out[t * lanes + r] = acc[r]
+
+    return matvec
+
+
+class _Kernels(NamedTuple):
+    dequantize_rows: Callable
+    dequantize_transposed: Callable
+
+
+@functools.cache
+def _kernels(kind: int) -> _Kernels:
+    @njit(cache=True)
+    def dequantize_rows(tiles, ids, out):
+        """out[k] = row ids[k]; runs of consecutive ids within a tile are done together."""
+        lanes = tiles.shape[3]
+        scratch = np.empty((out.shape[1], lanes), np.float32)
+        k = 0
+        while k < ids.size:
+            t, r = ids[k] // lanes, ids[k] % lanes
+            n = 1
+            while k + n < ids.size and ids[k + n] == ids[k] + n and r + n < lanes:
+                n += 1
+            _dequantize_tile(kind, tiles[t], r, r + n, scratch)
+            for i in range(n):
+                for c in range(out.shape[1]):
+                    out[k + i, c] = scratch[c, i]
+            k += n
+
+    @njit(cache=True, parallel=True)
+    def dequantize_transposed(tiles, out_t, nchunks):
+        """out_t[col, t * lanes + lane] = element col of row lane of tile t: whole tiles, W.T for BLAS.
+        One run of tiles per thread, so each allocates its scratch once (a scratch per tile cost more
+        than the dequantization: each allocation of that size is a fresh mapping to fault in)."""
+        ntiles, cols, lanes = tiles.shape[0], out_t.shape[0], tiles.shape[3]
+        nchunks = min(ntiles, nchunks)
+        for c in prange(nchunks):
+            scratch = np.empty((cols, lanes), np.float32)
+            for t in range(c * ntiles // nchunks, (c + 1) * ntiles // nchunks):
+                _dequantize_tile(kind, tiles[t], 0, lanes, scratch)
+                for col in range(cols):
+                    src, dst = scratch[col], out_t[col, t * lanes : (t + 1) * lanes]
+                    for r in range(lanes):
+                        dst[r] = src[r]
+
+    return _Kernels(dequantize_rows, dequantize_transposed)

@@ -1,0 +1,119 @@
+"""A weight's blocks as the file holds them -> the tiles the kernels read (inferno.quant's Layout): each
+row's blocks moved to a lane, and the packed types' values regrouped (inferno.nibble_dots.Packing).
+
+One pass in a parallel kernel over a chunk of rows read from the file: numpy's reshapes and stacks took
+several temporary copies of every weight, most of the load time of a 1.5B model."""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+from numba import prange
+
+from inferno.kernels.jit import njit
+from inferno.kernels.nibble_dots import PACKED
+
+Q4_0, Q4_1, Q5_0 = int(QType.Q4_0), int(QType.Q4_1), int(QType.Q5_0)
+Q4_K, Q6_K = int(QType.Q4_K), int(QType.Q6_K)
+# Repacked blocks are this many bytes (the others as many as the file's): Q4_K's 6-bit scales and
+# minimums take a byte each.
+TILE_BYTES = {Q4_K: 148}
+_QS_Q4_0, _QS_Q4_1 = PACKED[Q4_0].quads, PACKED[Q4_1].quads
+
+
+@njit(cache=True, parallel=True)
+def repack(raw, tiles, kind):
+    """raw uint8[tiles * lanes rows, blocks, file bytes] -> tiles uint8[tile, block, tile bytes, lane]."""
+    ntiles, nblocks, _, lanes = tiles.shape
+    for t in prange(ntiles):
+        for b in range(nblocks):
+            dst = tiles[t, b]
+            for lane in range(lanes):
+                src = raw[t * lanes + lane, b]
+                at = (lane * 4 // lanes, lane * 4 % lanes)  # where the lane's words start (see _put)
+                if kind in (Q4_0, Q4_1):
+                    _q4(src, dst, lane, at, _QS_Q4_1 if kind == Q4_1 else _QS_Q4_0)
+                elif kind == Q5_0:
+                    _q5_0(src, dst, lane, at)
+                elif kind == Q4_K:
+                    _q4_k(src, dst, lane, at)
+                elif kind == Q6_K:
+                    _q6_k(src, dst, lane, at)
+                else:
+                    for p in range(src.size):
+                        dst[p, lane] = src[p]
+
+
+@njit(cache=True, inline="always")
+def _put(dst, row, k, i, at, value):
+    """Byte i of 4-byte word k of a lane, of the words starting at byte row `row`: the words sit side
+    by side, [k, lane, 4] laid over the byte rows, so a lane's word k starts at row row + 4k + at[0],
+    column at[1] (at = divmod(4 lane, lanes))."""
+    dst[row + 4 * k + at[0], at[1] + i] = value
+
+
+@njit(cache=True, inline="always")
+def _nibble_quads(dst, row, at, src, first, shift):
+    """A sub-block's 32 values, value v the nibble at bit `shift` of src[first + v], as nibble quads
+    (byte t holds values t and t + 16)."""
+    for t in range(16):
+        low, high = (src[first + t] >> shift) & 15, (src[first + 16 + t] >> shift) & 15
+        _put(dst, row, t // 4, t % 4, at, np.uint8(low | (high << 4)))
+
+
+@njit(cache=True)
+def _q4(src, dst, lane, at, qs):
+    """Q4_0 (qs = 2), Q4_1 (qs = 4): the scales as they are, the nibble bytes as quads."""
+    for p in range(qs):
+        dst[p, lane] = src[p]
+    for t in range(16):
+        _put(dst, qs, t // 4, t % 4, at, src[qs + t])
+
+
+@njit(cache=True)
+def _q5_0(src, dst, lane, at):
+    """d, then the 5th bits as one plane word (byte i: bit m of value 4m + i, or 16 + 4(m - 4) + i),
+    then the nibble quads."""
+    dst[0, lane], dst[1, lane] = src[0], src[1]
+    for i in range(4):
+        plane = 0
+        for m in range(8):
+            v = 4 * m + i if m < 4 else 16 + 4 * (m - 4) + i
+            plane |= ((src[2 + v // 8] >> (v % 8)) & 1) << m
+        _put(dst, 2, 0, i, at, np.uint8(plane))
+    for t in range(16):
+        _put(dst, 6, t // 4, t % 4, at, src[6 + t])
+
+
+@njit(cache=True)
+def _q4_k(src, dst, lane, at):
+    """d and dmin, the eight 6-bit scales (bytes 4-11) and minimums (12-19) a byte each, then each
+    sub-block of 32 values as nibble quads (rows 20 + 16j)."""
+    for p in range(4):
+        dst[p, lane] = src[p]
+    s = src[4:16]
+    for j in range(4):
+        dst[4 + j, lane] = s[j] & 63
+        dst[12 + j, lane] = s[4 + j] & 63
+        dst[8 + j, lane] = (s[8 + j] & 15) | ((s[j] >> 6) << 4)
+        dst[16 + j, lane] = (s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4)
+    for j in range(8):  # sub-blocks 2c and 2c + 1 are the low and high nibbles of bytes 32c..
+        _nibble_quads(dst, 20 + 16 * j, at, src, 16 + 32 * (j // 2), 4 * (j % 2))
+
+
+@njit(cache=True)
+def _q6_k(src, dst, lane, at):
+    """d, the 16 int8 scales, then each sub-block of 32 values (j = 4h + s: values 128h + 32s..) as
+    nibble quads and two plane words of its high 2 bits (rows 18 + 24j, 34 + 24j)."""
+    dst[0, lane], dst[1, lane] = src[208], src[209]
+    for p in range(16):
+        dst[2 + p, lane] = src[192 + p]
+    for j in range(8):
+        h, s = j // 4, j % 4  # low 4 bits: nibbles of ql; high 2: bits 2s of qh (bytes 128 + 32h + v)
+        _nibble_quads(dst, 18 + 24 * j, at, src, 64 * h + 32 * (s & 1), 4 * (s // 2))
+        for p in range(2):
+            for i in range(4):
+                plane = 0
+                for k in range(4):
+                    plane |= ((src[128 + 32 * h + 16 * p + 4 * k + i] >> (2 * s)) & 3) << (2 * k)
+                _put(dst, 34 + 24 * j, p, i, at, np.uint8(plane))

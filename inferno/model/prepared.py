@@ -1,0 +1,285 @@
+"""The prepared-model cache: what every start would otherwise rebuild from a GGUF file (the weights
+repacked into tiles, the tokenizer, the config, the fingerprint), written once and memory-mapped by
+later starts, so they neither parse the metadata nor copy the weights.
+
+Where: $INFERNO_CACHE_DIR, else $XDG_CACHE_HOME/inferno, else ~/.cache/inferno; one entry per model
+content, named by a hash of the file's size and a sample of its bytes (its first and last MiB and 16
+pieces between), so copies of one file at several paths share one entry. The directory holds at most
+$INFERNO_CACHE_BYTES (default DEFAULT_LIMIT; a number with an optional K, M or G; 0 turns the cache
+off): after writing an entry, the least recently used others are deleted until it fits. An entry is
+used only when its identity (that sample, the size, this VERSION) matches and every array has the type
+and shape the config implies; anything else (stale, cut off, garbled) is rebuilt from the file. An
+entry that cannot be written is skipped: the cache only saves time.
+
+An entry: the 16 bytes of MAGIC, the header's length (little-endian uint64), the JSON header, then
+each array at an offset (from the end of the header, padded to ALIGN) that the header lists with its
+dtype and shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import mmap
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from stat import S_ISREG
+from time import perf_counter
+
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+
+from inferno.errors import InfernoError
+from inferno.file.config import ModelConfig
+from inferno.file.reader import open_gguf
+from inferno.kernels.quant import QuantizedMatrix
+from inferno.kv.snapshot import model_fingerprint
+from inferno.model.transformer import Transformer
+from inferno.model.validate import check_config, expected_tensors
+from inferno.text.tokenizer import GGUFTokenizer
+
+MAGIC = b"INFERNO-PREPARED"
+VERSION = 3  # bumped whenever what an entry holds, or the tile layout of quant.py, changes
+ALIGN = 64  # bytes: every array starts on a cache line
+SAMPLE_BYTES = 1 << 20  # of the model file's start and end, hashed into its identity
+CACHE_DIR_ENV = "INFERNO_CACHE_DIR"
+LIMIT_ENV = "INFERNO_CACHE_BYTES"
+DEFAULT_LIMIT = 8 << 30  # bytes of entries kept: a few models of a few GB
+SAMPLE_PIECES = 16  # pieces of SAMPLE_BYTES / 16 between the first and last MiB, hashed too
+
+
+@dataclass
+class Prepared:
+    """A model ready for its kernels, and what getting it cost."""
+
+    model: Transformer
+    tokenizer: GGUFTokenizer
+    fingerprint: str
+    cache: str = "off"  # "hit": read from the cache; "miss": built from the file, entry written; "off"
+    cache_bytes: int = 0  # the entry's size on disk (0: none)
+    parts_ms: dict[str, float] = field(default_factory=dict)  # open, weights, tokenizer, cache_write
+
+
+def cache_dir() -> Path:
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "inferno"
+
+
+def cache_limit() -> int:
+    """The bytes the cache directory may hold ($INFERNO_CACHE_BYTES); 0: the cache is off."""
+    text = os.environ.get(LIMIT_ENV, "").strip()
+    if not text:
+        return DEFAULT_LIMIT
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+    number = text[:-1] if scale > 1 else text
+    if not number.isdigit():
+        raise InfernoError(f"{LIMIT_ENV}={text!r}: expected a number of bytes, optionally with K, M or G")
+    return int(number) * scale
+
+
+def entry_path(model_path: str | os.PathLike) -> Path:
+    """The cache entry of the model at `model_path` (whether it exists or not)."""
+    return cache_dir() / f"{identity(model_path)['sample_sha256'][:32]}.model"
+
+
+def identity(model_path: str | os.PathLike) -> dict:
+    """What must not have changed for an entry to stand for the file: its size and a sample of its
+    content, wherever the file lies."""
+    path = Path(model_path).resolve()
+    stat = path.stat()
+    if not S_ISREG(stat.st_mode):  # a FIFO or device: read once, by open_gguf
+        raise OSError(f"{path} is not a regular file")
+    digest = hashlib.sha256(str(stat.st_size).encode())
+    piece = SAMPLE_BYTES // SAMPLE_PIECES
+    with path.open("rb") as f:
+        digest.update(f.read(SAMPLE_BYTES))
+        for k in range(1, SAMPLE_PIECES + 1):
+            f.seek(stat.st_size * k // (SAMPLE_PIECES + 1))
+            digest.update(f.read(piece))
+        f.seek(max(SAMPLE_BYTES, stat.st_size - SAMPLE_BYTES))
+        digest.update(f.read(SAMPLE_BYTES))
+    return {"version": VERSION, "size": stat.st_size, "sample_sha256": digest.hexdigest()}
+
+
+def load(model_path: str | os.PathLike) -> Prepared:
+    """The model at `model_path`, from its cache entry when that is valid, else from the file (and the
+    entry then written). Bad model files raise InfernoError as `open_gguf` and the model's checks do."""
+    limit = cache_limit()
+    try:
+        ident = identity(model_path) if limit else None
+        entry = cache_dir() / f"{ident['sample_sha256'][:32]}.model" if ident else None
+    except OSError:  # no such file, unreadable, no home directory: open_gguf says what is wrong
+        entry = ident = None
+    if entry is not None:
+        try:
+            prepared = _read(entry, ident)
+            with contextlib.suppress(OSError):
+                os.utime(entry)  # most recently used
+            return prepared
+        except Exception:  # absent, stale, cut off or garbled: any of it means rebuild
+            pass
+    prepared, built = _build(model_path)
+    if entry is not None:
+        t = perf_counter()
+        if _write(entry, ident, prepared, built):
+            prepared.cache, prepared.cache_bytes = "miss", entry.stat().st_size
+            _evict(entry.parent, limit, keep=entry)
+        prepared.parts_ms["cache_write"] = (perf_counter() - t) * 1000
+    return prepared
+
+
+def _evict(directory: Path, limit: int, keep: Path) -> None:
+    """Delete the least recently used entries but `keep` until the directory's entries fit in `limit`
+    bytes (`keep` stays even when it alone is larger: it was just asked for)."""
+    entries = []
+    for path in directory.glob("*.model"):
+        with contextlib.suppress(OSError):
+            stat = path.stat()
+            entries.append((stat.st_mtime_ns, stat.st_size, path))
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries):
+        if total <= limit:
+            break
+        if path != keep:
+            with contextlib.suppress(OSError):
+                path.unlink()
+                total -= size
+
+
+def _build(model_path: str | os.PathLike) -> tuple[Prepared, dict]:
+    """The model from the file, and the arrays its weights were built into (by tensor name)."""
+    t0 = perf_counter()
+    reader = open_gguf(model_path)
+    config, weights = Transformer.weights_of(reader)
+    t1 = perf_counter()
+    model = Transformer.from_weights(config, weights)
+    t2 = perf_counter()
+    tokenizer = GGUFTokenizer.from_gguf(reader)
+    t3 = perf_counter()
+    prepared = Prepared(model, tokenizer, model_fingerprint(reader))
+    prepared.parts_ms = {"open": (t1 - t0 + perf_counter() - t3) * 1000, "weights": (t2 - t1) * 1000,
+                         "tokenizer": (t3 - t2) * 1000}
+    return prepared, weights.built
+
+
+def _write(entry: Path, ident: dict, prepared: Prepared, built: dict) -> bool:
+    """Write the entry atomically (a reader sees the old entry or the new one, never half of one)."""
+    arrays, matrices = {}, {}
+    for name, item in built.items():
+        if isinstance(item, QuantizedMatrix):
+            arrays[name] = item.tiles
+            matrices[name] = {"names": item.part_names, "qtype": int(item.qtype), "cols": item.cols,
+                              "parts": item.parts}
+        else:
+            arrays[name] = item
+    state, tokenizer_json = prepared.tokenizer.to_state()
+    arrays["tokenizer/state"] = np.frombuffer(json.dumps(state).encode(), np.uint8)
+    arrays["tokenizer/json"] = np.frombuffer(tokenizer_json.encode(), np.uint8)
+    specs, offset = {}, 0
+    for name, array in arrays.items():
+        specs[name] = {"dtype": array.dtype.str, "shape": list(array.shape), "offset": offset}
+        offset += _aligned(array.nbytes)
+    header = json.dumps({"identity": ident, "config": asdict(prepared.model.config),
+                         "fingerprint": prepared.fingerprint, "matrices": matrices, "arrays": specs}).encode()
+    tmp = entry.with_name(f"{entry.name}.{os.getpid()}.tmp")
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        with tmp.open("wb") as f:
+            f.write(MAGIC + np.uint64(len(header)).tobytes() + header)
+            f.write(bytes(_aligned(f.tell()) - f.tell()))
+            for array in arrays.values():
+                data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+                f.write(data.data)
+                f.write(bytes(_aligned(data.nbytes) - data.nbytes))
+        os.replace(tmp, entry)
+        return True
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        return False
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _read(entry: Path, ident: dict) -> Prepared:
+    """The model from a valid entry; any exception means the entry cannot be used."""
+    t0 = perf_counter()
+    with entry.open("rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writable arrays, file untouched
+    size = len(mapped)
+    if mapped[: len(MAGIC)] != MAGIC:
+        raise ValueError("not a prepared-model entry")
+    header_end = len(MAGIC) + 8 + int(np.frombuffer(mapped, "<u8", 1, len(MAGIC))[0])
+    header = json.loads(mapped[len(MAGIC) + 8 : header_end])
+    if header["identity"] != ident:
+        raise ValueError("stale entry")
+    base = _aligned(header_end)
+
+    def array(name: str) -> np.ndarray:
+        spec = header["arrays"][name]
+        dtype, shape, offset = np.dtype(spec["dtype"]), tuple(map(int, spec["shape"])), int(spec["offset"])
+        count = int(np.prod(shape, dtype=np.int64))
+        end = base + offset + count * dtype.itemsize
+        if offset % ALIGN or offset < 0 or min(shape, default=1) < 0 or end > size:
+            raise ValueError(f"array {name} lies outside the entry")
+        return np.frombuffer(mapped, dtype, count, base + offset).reshape(shape)
+
+    fields = header["config"]
+    per_layer = ("layer_windows", "layer_rope_bases")  # tuples, which JSON wrote as lists
+    config = ModelConfig(**fields | {key: tuple(fields[key]) for key in per_layer})
+    check_config(config)
+    t1 = perf_counter()
+    weights = _CachedWeights(config, header["matrices"], set(header["arrays"]), array)
+    model = Transformer.from_weights(config, weights)
+    t2 = perf_counter()
+    state = json.loads(array("tokenizer/state").tobytes())
+    tokenizer = GGUFTokenizer.from_state(state, array("tokenizer/json").tobytes().decode())
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError("more tokens than embedding rows")
+    t3 = perf_counter()
+    parts = {"open": (t1 - t0) * 1000, "weights": (t2 - t1) * 1000, "tokenizer": (t3 - t2) * 1000}
+    return Prepared(model, tokenizer, str(header["fingerprint"]), "hit", size, parts)
+
+
+class _CachedWeights:
+    """The weights of an entry, each checked against the shape the config gives its name: a wrong
+    entry raises (and is rebuilt) rather than handing a kernel arrays it would index out of bounds."""
+
+    def __init__(
+        self, config: ModelConfig, matrices: dict, arrays: set[str], array: Callable[[str], np.ndarray]
+    ):
+        self._matrices, self._array = matrices, array
+        self._stack_of = {part: key for key, spec in matrices.items() for part in spec["names"]}
+        self._present = set(self._stack_of) | arrays
+        expected = expected_tensors(config, self._present)
+        self._shapes = {name: shape(config) for name, shape in expected.items()}
+        self._hidden = config.hidden_size
+
+    def has(self, name: str) -> bool:
+        return name in self._present
+
+    def vector(self, name: str) -> np.ndarray:
+        vector = self._array(name)
+        if vector.dtype != np.float32 or vector.shape != self._shapes.get(name, (self._hidden,)):
+            raise ValueError(f"{name}: {vector.dtype} {vector.shape}")
+        return vector
+
+    def stacked(self, names: list[str]) -> list[QuantizedMatrix]:
+        keys = list(dict.fromkeys(self._stack_of[name] for name in names))
+        matrices = []
+        for key in keys:
+            spec = self._matrices[key]
+            parts = [tuple(int(n) for n in part) for part in spec["parts"]]
+            for name, (_, rows) in zip(spec["names"], parts, strict=True):
+                if name not in names or self._shapes[name] != (rows, int(spec["cols"])):
+                    raise ValueError(f"{name}: not a weight of {rows} x {spec['cols']} here")
+            matrices.append(QuantizedMatrix.from_tiles(spec["names"], QType(spec["qtype"]), int(spec["cols"]),
+                                                       self._array(key), parts))
+        return matrices

@@ -1,0 +1,2 @@
+"""Text: the GGUF's tokenizer (tokenizer), chat templates rendered as transformers renders them
+(chat_template), and the text a generation shows, cut at its stops (output_text)."""
