@@ -29,13 +29,14 @@ import gguf
 import numba
 import numpy as np
 from gguf import GGMLQuantizationType as QType
-from llvmlite import ir
-from numba import prange, types
-from numba.extending import intrinsic, overload
+from numba import prange
+from numba.extending import overload
 
 from inferno.errors import InfernoError
+from inferno.kernels.dequant import DEQUANTIZE, dequantize_tile, f16, zero
+from inferno.kernels.ggml import Q4_K, Q6_K, Q8_0
 from inferno.kernels.jit import njit
-from inferno.kernels.llvm_ir import float_from_bits, prefetch_ahead
+from inferno.kernels.llvm_ir import prefetch_ahead
 from inferno.kernels.nibble_dots import (
     ACTIVATIONS,
     PACKED,
@@ -58,11 +59,6 @@ SUPPORTED = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_
 # Types whose matvec computes from the blocks; the others dequantize a tile at a time and take dots.
 FUSED = (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q4_K, QType.Q6_K)
 
-# Plain ints, which Numba freezes as constants.
-F32, F16, BF16 = int(QType.F32), int(QType.F16), int(QType.BF16)
-Q8_0, Q4_0, Q4_1 = int(QType.Q8_0), int(QType.Q4_0), int(QType.Q4_1)
-Q5_0, Q5_1 = int(QType.Q5_0), int(QType.Q5_1)
-Q4_K, Q5_K, Q6_K = int(QType.Q4_K), int(QType.Q5_K), int(QType.Q6_K)
 K_SUB_BLOCKS = PACKED[Q4_K].sub_blocks
 
 
@@ -298,213 +294,6 @@ def _open_tensor_bytes(tensor: gguf.ReaderTensor) -> BinaryIO:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Scalar helpers. `w` is one tile: uint8[block, byte, lane].
-
-
-@intrinsic
-def _halffloat_from_bits(typingctx, bits):
-    """IEEE half -> float32 with the CPU's conversion instruction. Exact for every finite value and inf;
-    only a signalling NaN's payload may differ from numpy (it comes back quieted)."""
-    sig = types.float32(types.uint16)
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    return sig, codegen
-
-
-@njit(cache=True)
-def _u16(w, b, p, r):
-    return np.uint16(w[b, p, r] | (np.uint32(w[b, p + 1, r]) << 8))
-
-
-@njit(cache=True)
-def _f16(w, b, p, r):
-    """The little-endian half at bytes p, p+1 of block b, lane r."""
-    return _halffloat_from_bits(_u16(w, b, p, r))
-
-
-@njit(cache=True)
-def _lo(v):
-    return np.int32(v & 15)
-
-
-@njit(cache=True)
-def _hi(v):
-    return np.int32(v >> 4)
-
-
-@njit(cache=True)
-def _zero(a):
-    # an explicit loop: slice assignment (a[:] = 0) makes Numba compile extra helpers, slowing cold start
-    for i in range(a.size):
-        a[i] = 0
-
-
-@njit(cache=True)
-def _scale_min_k4(w, b, j, r):
-    """6-bit scale and min of sub-block j of a Q4_K/Q5_K block (12 packed bytes from byte 4)."""
-    if j < 4:
-        return np.float32(w[b, 4 + j, r] & 63), np.float32(w[b, 8 + j, r] & 63)
-    sc = (w[b, 8 + j, r] & 15) | ((w[b, j, r] >> 6) << 4)
-    m = (w[b, 8 + j, r] >> 4) | ((w[b, 4 + j, r] >> 6) << 4)
-    return np.float32(sc), np.float32(m)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Exact dequantization of lanes [r0, r1) of one tile, transposed: out[col, lane - r0]. Lanes are the
-# innermost loop so whole tiles vectorize. Same float32 operations, in the same order, as gguf/quants.py.
-
-
-@njit(cache=True)
-def _deq_f32(w, r0, r1, out):
-    for c in range(w.shape[0]):
-        for r in range(r0, r1):
-            bits = np.uint32(_u16(w, c, 0, r)) | (np.uint32(_u16(w, c, 2, r)) << 16)
-            out[c, r - r0] = float_from_bits(bits)
-
-
-@njit(cache=True)
-def _deq_f16(w, r0, r1, out):
-    for c in range(w.shape[0]):
-        for r in range(r0, r1):
-            out[c, r - r0] = _f16(w, c, 0, r)
-
-
-@njit(cache=True)
-def _deq_bf16(w, r0, r1, out):
-    for c in range(w.shape[0]):
-        for r in range(r0, r1):
-            out[c, r - r0] = float_from_bits(np.uint32(_u16(w, c, 0, r)) << 16)
-
-
-@njit(cache=True)
-def _deq_q8_0(w, r0, r1, out):
-    for b in range(w.shape[0]):
-        for j in range(32):
-            for r in range(r0, r1):
-                out[32 * b + j, r - r0] = np.float32(np.int8(w[b, 2 + j, r])) * _f16(w, b, 0, r)
-
-
-@njit(cache=True)
-def _packed_value(words, b, quads, planes, high_bits, k, q, c, i, half):
-    """Value 16 half + 4k + i of lane q * n + c of the sub-block whose quads start at byte row `quads`
-    and planes at `planes` (inferno.nibble_dots.Packing): the 32-bit word [b, row + q, c] holds word
-    row // 4 of lane q * n + c, n = lanes / 4."""
-    v = (words[b, quads + 4 * k + q, c] >> np.uint32(8 * i + 4 * half)) & np.uint32(15)
-    if high_bits == 1:
-        v |= ((words[b, planes + q, c] >> np.uint32(8 * i + k + 4 * half)) & np.uint32(1)) << np.uint32(4)
-    elif high_bits == 2:
-        v |= ((words[b, planes + 4 * half + q, c] >> np.uint32(8 * i + 2 * k)) & np.uint32(3)) << np.uint32(4)
-    return np.int32(v)
-
-
-@njit(cache=True)
-def _deq_packed(w, r0, r1, out, kind, per, quads, stride, high_bits, planes):
-    """The packed types (inferno.nibble_dots.PACKED; its fields after kind), from their tiles."""
-    words = w.view(np.uint32)
-    n = words.shape[2]
-    for b in range(w.shape[0]):
-        for j in range(per):
-            for k in range(4):
-                for q in range(4):
-                    for c in range(max(0, r0 - q * n), min(n, r1 - q * n)):
-                        r = q * n + c
-                        d = _f16(w, b, 0, r)
-                        for half in range(2):
-                            e = 32 * (per * b + j) + 16 * half + 4 * k
-                            if kind == Q4_K:
-                                dl = d * np.float32(w[b, 4 + j, r])
-                                ml = _f16(w, b, 2, r) * np.float32(w[b, 12 + j, r])
-                            elif kind == Q6_K:
-                                dl = d * np.float32(np.int8(w[b, 2 + 2 * j + half, r]))
-                            for i in range(4):
-                                v = _packed_value(words, b, quads + stride * j, planes + stride * j,
-                                                  high_bits, k, q, c, i, half)
-                                if kind == Q4_0:
-                                    out[e + i, r - r0] = d * np.float32(v - 8)
-                                elif kind == Q4_1:
-                                    out[e + i, r - r0] = d * np.float32(v) + _f16(w, b, 2, r)
-                                elif kind == Q5_0:
-                                    out[e + i, r - r0] = d * np.float32(v - 16)
-                                elif kind == Q4_K:
-                                    out[e + i, r - r0] = dl * np.float32(v) - ml
-                                else:
-                                    out[e + i, r - r0] = dl * np.float32(v - 32)
-
-
-@njit(cache=True)
-def _deq_q4_0(w, r0, r1, out):
-    _deq_packed(w, r0, r1, out, Q4_0, 1, 2, 16, 0, 0)
-
-
-@njit(cache=True)
-def _deq_q4_1(w, r0, r1, out):
-    _deq_packed(w, r0, r1, out, Q4_1, 1, 4, 16, 0, 0)
-
-
-@njit(cache=True)
-def _deq_q5_0(w, r0, r1, out):
-    _deq_packed(w, r0, r1, out, Q5_0, 1, 6, 16, 1, 2)
-
-
-@njit(cache=True)
-def _deq_q4_k(w, r0, r1, out):
-    _deq_packed(w, r0, r1, out, Q4_K, 8, 20, 16, 0, 0)
-
-
-@njit(cache=True)
-def _deq_q6_k(w, r0, r1, out):
-    _deq_packed(w, r0, r1, out, Q6_K, 8, 18, 24, 2, 34)
-
-
-@njit(cache=True)
-def _q5(w, b, qh, qs, j, r):
-    """5-bit value j of a Q5_0/Q5_1 block: 4 low bits from the nibbles at byte qs, the 5th from the
-    little-endian 32-bit mask at byte qh."""
-    v = w[b, qs + (j & 15), r]
-    low = _lo(v) if j < 16 else _hi(v)
-    return low | np.int32(((w[b, qh + (j >> 3), r] >> (j & 7)) & 1) << 4)
-
-
-@njit(cache=True)
-def _deq_q5_1(w, r0, r1, out):
-    for b in range(w.shape[0]):
-        for j in range(32):
-            for r in range(r0, r1):
-                d, m = _f16(w, b, 0, r), _f16(w, b, 2, r)
-                out[32 * b + j, r - r0] = d * np.float32(_q5(w, b, 4, 8, j, r)) + m
-
-
-@njit(cache=True)
-def _deq_k4(w, r0, r1, out, qs, qh):
-    """Q5_K: sub-block j of 32 is dl*q - ml. The 4 low bits of sub-blocks 2c, 2c+1
-    are the low/high nibbles of bytes qs+32c..+31; Q5_K's 5th bit of element i of sub-block j is bit j
-    of byte qh+i."""
-    for b in range(w.shape[0]):
-        for j in range(8):
-            for i in range(32):
-                for r in range(r0, r1):
-                    sc, m = _scale_min_k4(w, b, j, r)
-                    dl, ml = _f16(w, b, 0, r) * sc, _f16(w, b, 2, r) * m
-                    v = w[b, qs + 32 * (j >> 1) + i, r]
-                    q = _lo(v) if j % 2 == 0 else _hi(v)
-                    if qh >= 0:
-                        q |= np.int32(((w[b, qh + i, r] >> j) & 1) << 4)
-                    out[256 * b + 32 * j + i, r - r0] = dl * np.float32(q) - ml
-
-
-@njit(cache=True)
-def _deq_q5_k(w, r0, r1, out):
-    _deq_k4(w, r0, r1, out, 48, 16)
-
-
-_DEQUANTIZE = {F32: _deq_f32, F16: _deq_f16, BF16: _deq_bf16, Q8_0: _deq_q8_0, Q4_0: _deq_q4_0,
-               Q4_1: _deq_q4_1, Q5_0: _deq_q5_0, Q5_1: _deq_q5_1, Q4_K: _deq_q4_k, Q5_K: _deq_q5_k,
-               Q6_K: _deq_q6_k}
-
-
-# ---------------------------------------------------------------------------------------------------
 # Fused tile dot products: acc[lane] += (row lane of the tile) . x. `xs` holds the sums of x over each
 # 32-element block; `s` is float32[4, lanes] scratch for per-block partial sums (K-quants). The loops
 # over lanes vectorize. For the 32-element blocks, a block's sum for one lane is a loop of fixed length
@@ -523,7 +312,7 @@ def _dot_q8_0(w, x, xs, acc, s):
             part = np.float32(0)
             for j in range(32):
                 part += x[32 * b + j] * np.float32(np.int8(w[b, 2 + j, r]))
-            acc[r] += _f16(w, b, 0, r) * part
+            acc[r] += f16(w, b, 0, r) * part
 
 
 @njit(cache=True, fastmath=True)
@@ -550,17 +339,6 @@ assert set(_DOT) | set(PACKED) == {int(t) for t in FUSED}
 # module functions; closures over dispatchers would not be, hence the indirection.)
 
 
-def _dequantize_tile(kind, w, r0, r1, out):
-    """Dequantize lanes [r0, r1) of tile w into out[col, lane - r0] (dispatch stub, see the overload)."""
-    raise NotImplementedError
-
-
-@overload(_dequantize_tile, prefer_literal=True)
-def _dequantize_tile_impl(kind, w, r0, r1, out):
-    deq = _DEQUANTIZE[kind.literal_value]
-    return lambda kind, w, r0, r1, out: deq(w, r0, r1, out)
-
-
 def _tile_dot(kind, w, x, xq, acc, work, n_parts):
     """acc = tile w @ x (dispatch stub, resolved by the overload below). xq: what every tile uses of x
     (its block sums, or for Q8_0 in integers its part sums; with integer dots its int8 parts and block
@@ -575,7 +353,7 @@ def _tile_dot_impl(kind, w, x, xq, acc, work, n_parts):
         type_, count = kind.literal_value, n_parts.literal_value
 
         def integer(kind, w, x, xq, acc, work, n_parts):
-            _zero(acc)
+            zero(acc)
             sums, parts, scale = xq
             _dot_integer(w, parts.reshape(1, parts.shape[0], parts.shape[1]), scale.reshape(1, scale.size),
                          sums.reshape(1, sums.size), acc.reshape(1, acc.size), type_, count)
@@ -585,16 +363,16 @@ def _tile_dot_impl(kind, w, x, xq, acc, work, n_parts):
         dot = _DOT[kind.literal_value]
 
         def fused(kind, w, x, xq, acc, work, n_parts):
-            _zero(acc)
+            zero(acc)
             dot(w, x, xq[0], acc, work[0])
 
         return fused
-    deq = _DEQUANTIZE[kind.literal_value]
+    deq = DEQUANTIZE[kind.literal_value]
 
     def dequantized(kind, w, x, xq, acc, work, n_parts):
         scratch = work[1]
         deq(w, 0, acc.size, scratch)
-        _zero(acc)
+        zero(acc)
         for c in range(x.size):
             for r in range(acc.size):
                 acc[r] += scratch[c, r] * x[c]
@@ -655,7 +433,7 @@ def _kernels(kind: int) -> _Kernels:
             n = 1
             while k + n < ids.size and ids[k + n] == ids[k] + n and r + n < lanes:
                 n += 1
-            _dequantize_tile(kind, tiles[t], r, r + n, scratch)
+            dequantize_tile(kind, tiles[t], r, r + n, scratch)
             for i in range(n):
                 for c in range(out.shape[1]):
                     out[k + i, c] = scratch[c, i]
@@ -671,7 +449,7 @@ def _kernels(kind: int) -> _Kernels:
         for c in prange(nchunks):
             scratch = np.empty((cols, lanes), np.float32)
             for t in range(c * ntiles // nchunks, (c + 1) * ntiles // nchunks):
-                _dequantize_tile(kind, tiles[t], 0, lanes, scratch)
+                dequantize_tile(kind, tiles[t], 0, lanes, scratch)
                 for col in range(cols):
                     src, dst = scratch[col], out_t[col, t * lanes : (t + 1) * lanes]
                     for r in range(lanes):

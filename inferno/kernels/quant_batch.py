@@ -24,18 +24,12 @@ import numba
 import numpy as np
 from numba import prange
 
+from inferno.kernels.dequant import dequantize_tile, f16
+from inferno.kernels.ggml import Q6_K, Q8_0
 from inferno.kernels.jit import njit
 from inferno.kernels.llvm_ir import prefetch_ahead
 from inferno.kernels.nibble_dots import first_part_sums, half_sums, split_activations
-from inferno.kernels.quant import (
-    Q6_K,
-    Q8_0,
-    QuantizedMatrix,
-    _dequantize_tile,
-    _dot_integer,
-    _f16,
-    integer_parts,
-)
+from inferno.kernels.quant import QuantizedMatrix, _dot_integer, integer_parts
 
 GROUP_VALUES = 32  # values of a row dequantized per step: one block of the 32-value types
 
@@ -133,7 +127,7 @@ def _four_rows_q8_0(w, x, i, acc):
                 e2, e3 = np.float32(np.int8(w[b, p + 2, r])), np.float32(np.int8(w[b, p + 3, r]))
                 e4, e5 = np.float32(np.int8(w[b, p + 4, r])), np.float32(np.int8(w[b, p + 5, r]))
                 e6, e7 = np.float32(np.int8(w[b, p + 6, r])), np.float32(np.int8(w[b, p + 7, r]))
-                d = _f16(w, b, 0, r)
+                d = f16(w, b, 0, r)
                 acc[i, r] += d * ((a0 * e0 + a1 * e1 + a2 * e2 + a3 * e3)
                                   + (a4 * e4 + a5 * e5 + a6 * e6 + a7 * e7))
                 acc[i + 1, r] += d * ((b0 * e0 + b1 * e1 + b2 * e2 + b3 * e3)
@@ -166,7 +160,7 @@ def _batch_kernel(kind: int, n_parts: int) -> Callable:
                 acc[:] = 0.0
                 for b0 in range(0, nblocks, group):
                     b1 = min(b0 + group, nblocks)
-                    _dequantize_tile(kind, tiles[t, b0:b1], 0, lanes, deq)
+                    dequantize_tile(kind, tiles[t, b0:b1], 0, lanes, deq)
                     k0, k1 = b0 * per_block, b1 * per_block
                     four = n_rows - n_rows % 4 if (k1 - k0) % 8 == 0 else 0
                     for i in range(0, four, 4):

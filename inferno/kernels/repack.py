@@ -7,14 +7,12 @@ several temporary copies of every weight, most of the load time of a 1.5B model.
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType as QType
 from numba import prange
 
+from inferno.kernels.ggml import Q4_0, Q4_1, Q4_K, Q5_0, Q6_K
 from inferno.kernels.jit import njit
 from inferno.kernels.nibble_dots import PACKED
 
-Q4_0, Q4_1, Q5_0 = int(QType.Q4_0), int(QType.Q4_1), int(QType.Q5_0)
-Q4_K, Q6_K = int(QType.Q4_K), int(QType.Q6_K)
 # Repacked blocks are this many bytes (the others as many as the file's): Q4_K's 6-bit scales and
 # minimums take a byte each.
 TILE_BYTES = {Q4_K: 148}

@@ -1,0 +1,232 @@
+"""Exact dequantization of one tile (inferno.kernels.quant's Layout): the same float32 operations, in
+the same order, as gguf-py's, so a weight read back is bit-identical to `gguf.quants.dequantize`.
+Used for embedding rows, for BLAS on dequantized chunks (long prompts) and by the types without fused
+dots. Also the scalar helpers every kernel on tiles reads blocks with (`f16`)."""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic, overload
+
+from inferno.kernels.ggml import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from inferno.kernels.jit import njit
+from inferno.kernels.llvm_ir import float_from_bits
+
+# ---------------------------------------------------------------------------------------------------
+# Scalar helpers. `w` is one tile: uint8[block, byte, lane].
+
+
+@intrinsic
+def _halffloat_from_bits(typingctx, bits):
+    """IEEE half -> float32 with the CPU's conversion instruction. Exact for every finite value and inf;
+    only a signalling NaN's payload may differ from numpy (it comes back quieted)."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+@njit(cache=True)
+def _u16(w, b, p, r):
+    return np.uint16(w[b, p, r] | (np.uint32(w[b, p + 1, r]) << 8))
+
+
+@njit(cache=True)
+def f16(w, b, p, r):
+    """The little-endian half at bytes p, p+1 of block b, lane r."""
+    return _halffloat_from_bits(_u16(w, b, p, r))
+
+
+@njit(cache=True)
+def _lo(v):
+    return np.int32(v & 15)
+
+
+@njit(cache=True)
+def _hi(v):
+    return np.int32(v >> 4)
+
+
+@njit(cache=True)
+def zero(a):
+    # an explicit loop: slice assignment (a[:] = 0) makes Numba compile extra helpers, slowing cold start
+    for i in range(a.size):
+        a[i] = 0
+
+
+@njit(cache=True)
+def _scale_min_k4(w, b, j, r):
+    """6-bit scale and min of sub-block j of a Q4_K/Q5_K block (12 packed bytes from byte 4)."""
+    if j < 4:
+        return np.float32(w[b, 4 + j, r] & 63), np.float32(w[b, 8 + j, r] & 63)
+    sc = (w[b, 8 + j, r] & 15) | ((w[b, j, r] >> 6) << 4)
+    m = (w[b, 8 + j, r] >> 4) | ((w[b, 4 + j, r] >> 6) << 4)
+    return np.float32(sc), np.float32(m)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Exact dequantization of lanes [r0, r1) of one tile, transposed: out[col, lane - r0]. Lanes are the
+# innermost loop so whole tiles vectorize. Same float32 operations, in the same order, as gguf/quants.py.
+
+
+@njit(cache=True)
+def _deq_f32(w, r0, r1, out):
+    for c in range(w.shape[0]):
+        for r in range(r0, r1):
+            bits = np.uint32(_u16(w, c, 0, r)) | (np.uint32(_u16(w, c, 2, r)) << 16)
+            out[c, r - r0] = float_from_bits(bits)
+
+
+@njit(cache=True)
+def _deq_f16(w, r0, r1, out):
+    for c in range(w.shape[0]):
+        for r in range(r0, r1):
+            out[c, r - r0] = f16(w, c, 0, r)
+
+
+@njit(cache=True)
+def _deq_bf16(w, r0, r1, out):
+    for c in range(w.shape[0]):
+        for r in range(r0, r1):
+            out[c, r - r0] = float_from_bits(np.uint32(_u16(w, c, 0, r)) << 16)
+
+
+@njit(cache=True)
+def _deq_q8_0(w, r0, r1, out):
+    for b in range(w.shape[0]):
+        for j in range(32):
+            for r in range(r0, r1):
+                out[32 * b + j, r - r0] = np.float32(np.int8(w[b, 2 + j, r])) * f16(w, b, 0, r)
+
+
+@njit(cache=True)
+def _packed_value(words, b, quads, planes, high_bits, k, q, c, i, half):
+    """Value 16 half + 4k + i of lane q * n + c of the sub-block whose quads start at byte row `quads`
+    and planes at `planes` (inferno.nibble_dots.Packing): the 32-bit word [b, row + q, c] holds word
+    row // 4 of lane q * n + c, n = lanes / 4."""
+    v = (words[b, quads + 4 * k + q, c] >> np.uint32(8 * i + 4 * half)) & np.uint32(15)
+    if high_bits == 1:
+        v |= ((words[b, planes + q, c] >> np.uint32(8 * i + k + 4 * half)) & np.uint32(1)) << np.uint32(4)
+    elif high_bits == 2:
+        v |= ((words[b, planes + 4 * half + q, c] >> np.uint32(8 * i + 2 * k)) & np.uint32(3)) << np.uint32(4)
+    return np.int32(v)
+
+
+@njit(cache=True)
+def _deq_packed(w, r0, r1, out, kind, per, quads, stride, high_bits, planes):
+    """The packed types (inferno.nibble_dots.PACKED; its fields after kind), from their tiles."""
+    words = w.view(np.uint32)
+    n = words.shape[2]
+    for b in range(w.shape[0]):
+        for j in range(per):
+            for k in range(4):
+                for q in range(4):
+                    for c in range(max(0, r0 - q * n), min(n, r1 - q * n)):
+                        r = q * n + c
+                        d = f16(w, b, 0, r)
+                        for half in range(2):
+                            e = 32 * (per * b + j) + 16 * half + 4 * k
+                            if kind == Q4_K:
+                                dl = d * np.float32(w[b, 4 + j, r])
+                                ml = f16(w, b, 2, r) * np.float32(w[b, 12 + j, r])
+                            elif kind == Q6_K:
+                                dl = d * np.float32(np.int8(w[b, 2 + 2 * j + half, r]))
+                            for i in range(4):
+                                v = _packed_value(words, b, quads + stride * j, planes + stride * j,
+                                                  high_bits, k, q, c, i, half)
+                                if kind == Q4_0:
+                                    out[e + i, r - r0] = d * np.float32(v - 8)
+                                elif kind == Q4_1:
+                                    out[e + i, r - r0] = d * np.float32(v) + f16(w, b, 2, r)
+                                elif kind == Q5_0:
+                                    out[e + i, r - r0] = d * np.float32(v - 16)
+                                elif kind == Q4_K:
+                                    out[e + i, r - r0] = dl * np.float32(v) - ml
+                                else:
+                                    out[e + i, r - r0] = dl * np.float32(v - 32)
+
+
+@njit(cache=True)
+def _deq_q4_0(w, r0, r1, out):
+    _deq_packed(w, r0, r1, out, Q4_0, 1, 2, 16, 0, 0)
+
+
+@njit(cache=True)
+def _deq_q4_1(w, r0, r1, out):
+    _deq_packed(w, r0, r1, out, Q4_1, 1, 4, 16, 0, 0)
+
+
+@njit(cache=True)
+def _deq_q5_0(w, r0, r1, out):
+    _deq_packed(w, r0, r1, out, Q5_0, 1, 6, 16, 1, 2)
+
+
+@njit(cache=True)
+def _deq_q4_k(w, r0, r1, out):
+    _deq_packed(w, r0, r1, out, Q4_K, 8, 20, 16, 0, 0)
+
+
+@njit(cache=True)
+def _deq_q6_k(w, r0, r1, out):
+    _deq_packed(w, r0, r1, out, Q6_K, 8, 18, 24, 2, 34)
+
+
+@njit(cache=True)
+def _q5(w, b, qh, qs, j, r):
+    """5-bit value j of a Q5_0/Q5_1 block: 4 low bits from the nibbles at byte qs, the 5th from the
+    little-endian 32-bit mask at byte qh."""
+    v = w[b, qs + (j & 15), r]
+    low = _lo(v) if j < 16 else _hi(v)
+    return low | np.int32(((w[b, qh + (j >> 3), r] >> (j & 7)) & 1) << 4)
+
+
+@njit(cache=True)
+def _deq_q5_1(w, r0, r1, out):
+    for b in range(w.shape[0]):
+        for j in range(32):
+            for r in range(r0, r1):
+                d, m = f16(w, b, 0, r), f16(w, b, 2, r)
+                out[32 * b + j, r - r0] = d * np.float32(_q5(w, b, 4, 8, j, r)) + m
+
+
+@njit(cache=True)
+def _deq_k4(w, r0, r1, out, qs, qh):
+    """Q5_K: sub-block j of 32 is dl*q - ml. The 4 low bits of sub-blocks 2c, 2c+1
+    are the low/high nibbles of bytes qs+32c..+31; Q5_K's 5th bit of element i of sub-block j is bit j
+    of byte qh+i."""
+    for b in range(w.shape[0]):
+        for j in range(8):
+            for i in range(32):
+                for r in range(r0, r1):
+                    sc, m = _scale_min_k4(w, b, j, r)
+                    dl, ml = f16(w, b, 0, r) * sc, f16(w, b, 2, r) * m
+                    v = w[b, qs + 32 * (j >> 1) + i, r]
+                    q = _lo(v) if j % 2 == 0 else _hi(v)
+                    if qh >= 0:
+                        q |= np.int32(((w[b, qh + i, r] >> j) & 1) << 4)
+                    out[256 * b + 32 * j + i, r - r0] = dl * np.float32(q) - ml
+
+
+@njit(cache=True)
+def _deq_q5_k(w, r0, r1, out):
+    _deq_k4(w, r0, r1, out, 48, 16)
+
+
+DEQUANTIZE = {F32: _deq_f32, F16: _deq_f16, BF16: _deq_bf16, Q8_0: _deq_q8_0, Q4_0: _deq_q4_0,
+               Q4_1: _deq_q4_1, Q5_0: _deq_q5_0, Q5_1: _deq_q5_1, Q4_K: _deq_q4_k, Q5_K: _deq_q5_k,
+               Q6_K: _deq_q6_k}
+
+
+def dequantize_tile(kind, w, r0, r1, out):
+    """Dequantize lanes [r0, r1) of tile w into out[col, lane - r0] (dispatch stub, see the overload)."""
+    raise NotImplementedError
+
+
+@overload(dequantize_tile, prefer_literal=True)
+def _dequantize_tile_impl(kind, w, r0, r1, out):
+    deq = DEQUANTIZE[kind.literal_value]
+    return lambda kind, w, r0, r1, out: deq(w, r0, r1, out)
