@@ -42,13 +42,13 @@ from typing import NamedTuple
 
 import numba
 import numpy as np
-from gguf import GGMLQuantizationType as QType
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
 
+from inferno.kernels.ggml import Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0
 from inferno.kernels.jit import njit  # first: the target is set before any kernel is defined
 from inferno.kernels.llvm_ir import constant, declared, pointer, splat
 
@@ -148,14 +148,12 @@ class Packing(NamedTuple):
 # 148 bytes for 144, its 6-bit scales and minimums unpacked to a byte each at rows 4-11 and 12-19;
 # Q6_K: d, then its 16 int8 scales at rows 2-17, then eight sub-blocks of quads and two plane words).
 PACKED = {
-    int(QType.Q4_0): Packing(1, 2, 16, 0, 0),
-    int(QType.Q4_1): Packing(1, 4, 16, 0, 0),
-    int(QType.Q5_0): Packing(1, 6, 16, 1, 2),
-    int(QType.Q4_K): Packing(8, 20, 16, 0, 0),
-    int(QType.Q6_K): Packing(8, 18, 24, 2, 34),
+    Q4_0: Packing(1, 2, 16, 0, 0),
+    Q4_1: Packing(1, 4, 16, 0, 0),
+    Q5_0: Packing(1, 6, 16, 1, 2),
+    Q4_K: Packing(8, 20, 16, 0, 0),
+    Q6_K: Packing(8, 18, 24, 2, 34),
 }
-_Q8_0, _Q4_1, _Q5_0 = int(QType.Q8_0), int(QType.Q4_1), int(QType.Q5_0)
-_Q4_K, _Q6_K = int(QType.Q4_K), int(QType.Q6_K)
 
 
 @njit(cache=True)
@@ -195,7 +193,7 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, kind, n_parts):
     if not all(isinstance(v, types.IntegerLiteral) for v in (kind, n_parts)):
         return None
     kind_, count = kind.literal_value, n_parts.literal_value
-    if not ((kind_ in PACKED and count in ACTIVATIONS.values()) or (kind_ == _Q8_0 and count == 1)):
+    if not ((kind_ in PACKED and count in ACTIVATIONS.values()) or (kind_ == Q8_0 and count == 1)):
         return None
     sig = types.void(w, b, g, parts, scale, sums, acc, kind, n_parts)
 
@@ -257,7 +255,7 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, kind, n_parts):
         d = half_lanes(0)
         m = half_sums_scale = None
         weights = []  # (16 rows' 4 unsigned bytes as <16 x i32>, the first of the 4 values they hold)
-        if kind_ == _Q8_0:
+        if kind_ == Q8_0:
             offset = constant(_BYTE, [128] * 4 * LANES)
             for k in range(8):  # values 4k..4k+3, one byte row each, interleaved into quads
                 four = [tile_bytes(2 + 4 * k + v, g_v, bytes16) for v in range(4)]
@@ -268,13 +266,13 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, kind, n_parts):
                     _INT, [16 * v + lane for lane in range(LANES) for v in range(4)]))
                 weights.append((builder.bitcast(builder.add(quad, offset), ints), 4 * k))
         else:
-            if kind_ == _Q4_K:
+            if kind_ == Q4_K:
                 m = builder.fneg(builder.fmul(half_lanes(2), byte_lanes(builder.add(const(12), sub))))
                 d = builder.fmul(d, byte_lanes(builder.add(const(4), sub)))
-            elif kind_ == _Q6_K:  # the two halves' int8 scales, at rows 2 + 2j and 3 + 2j
+            elif kind_ == Q6_K:  # the two halves' int8 scales, at rows 2 + 2j and 3 + 2j
                 half_sums_scale = [byte_lanes(builder.add(const(2 + h), builder.mul(sub, const(2))), True)
                                    for h in range(2)]
-            elif kind_ == _Q4_1:
+            elif kind_ == Q4_1:
                 m = half_lanes(2)
             else:  # Q4_0, Q5_0: q - 8, q - 16
                 m = builder.fmul(d, ir.Constant(floats, [-8.0 if packing.high_bits == 0 else -16.0] * LANES))
