@@ -8,6 +8,7 @@ from gguf import GGMLQuantizationType as QType
 from inferno.kernels.quant_batch import batch_matmul
 from inferno.kv import make_cache
 from inferno.kv.paged import BlockPool, PagedKVCache
+from inferno.model.transformer import BATCH_ROWS
 
 PROMPTS = ("The capital of France is", "Once upon a time", "def fibonacci(n):", "Water boils at")
 NEW_TOKENS = 16
@@ -56,3 +57,17 @@ def test_batch_matmul_is_a_matvec_per_row(engine):
                 assert np.array_equal(batch_matmul(matrix, x), rounded)
             finally:
                 matrix.activations = "f32"
+
+
+def test_int8_activations_take_integer_dots_at_every_length(engine):
+    """Past BATCH_ROWS rows the exact path dequantizes weights for BLAS; with int8 activations the
+    integer dots of batch_matmul take every row count (what llama.cpp's prefill multiplies in)."""
+    model = engine.model
+    assert model._matmul_for(1) is None and model._matmul_for(BATCH_ROWS) is batch_matmul
+    assert model._matmul_for(BATCH_ROWS + 1) is None
+    try:
+        model.set_activations("int8")
+        assert model._matmul_for(1) is None
+        assert model._matmul_for(BATCH_ROWS + 1) is batch_matmul and model._matmul_for(4096) is batch_matmul
+    finally:
+        model.set_activations("f32")
