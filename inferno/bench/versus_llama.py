@@ -1,0 +1,106 @@
+"""inferno against llama.cpp's llama-bench on one model file, side by side in one run: decode at depth 0
+and 2048, prefill of 512 tokens (float32-exact and int8 activations), a first and a later run's whole
+process time and peak RSS. Every measurement is its own process; rounds alternate the two engines;
+the table gives medians.
+
+    python -m inferno.bench.versus_llama MODEL.gguf --llama-bench PATH [--rounds 3] [--threads 2]
+
+Whole process: `model-generate` of 16 tokens against `llama-bench -p 0 -n 16 -r 1` (which loads the
+model, warms up once and generates). A first run starts with an empty prepared-model cache (Numba's
+kernel cache warm, as after installing); a later run finds the entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from inferno.bench.prompts import exact_prompt
+from inferno.file.reader import open_gguf
+from inferno.text.tokenizer import GGUFTokenizer
+
+
+def run(cmd: list[str], env: dict | None = None) -> tuple[str, float, int]:
+    """stdout, wall seconds and peak RSS (bytes) of one process."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise SystemExit(f"versus_llama: {' '.join(cmd[:3])} ... exited {proc.returncode}")
+    return out, time.perf_counter() - t0, usage.ru_maxrss * 1024
+
+
+def inferno(model: str, prompt_file: Path, new: int, threads: int, extra: list[str], env: dict) -> dict:
+    cmd = [sys.executable, "-m", "inferno.cli.generate", model, "--prompt-file", str(prompt_file), str(new),
+           "--kv", "prealloc", "--ignore-eos", "--threads", str(threads), "--json", *extra]
+    out, wall, rss = run(cmd, env)
+    metrics = json.loads(out)["metrics"]
+    return {"decode": 1000 / metrics["tpot_ms"] if metrics.get("tpot_ms") else None,
+            "prefill": metrics["prefill_tok_s"], "wall": wall, "rss": rss}
+
+
+def llama(binary: str, model: str, threads: int, prompt: int, new: int, depth: int = 0) -> dict:
+    cmd = [binary, "-m", model, "-t", str(threads), "-p", str(prompt), "-n", str(new), "-d", str(depth),
+           "-r", "1", "-o", "jsonl"]
+    out, wall, rss = run(cmd)
+    rate = json.loads(out.strip().splitlines()[-1])["avg_ts"]
+    return {"decode" if new else "prefill": rate, "wall": wall, "rss": rss}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--llama-bench", required=True, help="path to llama.cpp's llama-bench")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    tokenizer = GGUFTokenizer.from_gguf(open_gguf(args.model))
+    work = Path(tempfile.mkdtemp(prefix="versus-"))
+    prompts = {}
+    for n in (16, 512, 2048):
+        prompts[n] = work / f"p{n}.txt"
+        prompts[n].write_text(exact_prompt(tokenizer, n))
+    cache = work / "model-cache"
+    warm = dict(os.environ, INFERNO_CACHE_DIR=str(cache))
+    inferno(args.model, prompts[16], 2, args.threads, [], warm)  # the entry and the kernels, once
+    rows: dict[str, list[tuple[float, float]]] = {}
+
+    def add(name: str, ours: float, theirs: float) -> None:
+        rows.setdefault(name, []).append((ours, theirs))
+
+    t, b = args.threads, args.llama_bench
+    for _ in range(args.rounds):
+        ours, theirs = inferno(args.model, prompts[16], 64, t, [], warm), llama(b, args.model, t, 0, 64)
+        add("decode tok/s, depth 0", ours["decode"], theirs["decode"])
+        ours = inferno(args.model, prompts[2048], 32, t, [], warm)
+        add("decode tok/s, depth 2048", ours["decode"], llama(b, args.model, t, 0, 32, 2048)["decode"])
+        theirs = llama(b, args.model, t, 512, 0)
+        add("prefill 512 tok/s, exact", inferno(args.model, prompts[512], 1, t, [], warm)["prefill"],
+            theirs["prefill"])
+        int8 = inferno(args.model, prompts[512], 1, t, ["--activations", "int8"], warm)
+        add("prefill 512 tok/s, --activations int8", int8["prefill"], theirs["prefill"])
+        first = dict(os.environ, INFERNO_CACHE_DIR=str(work / f"empty-{time.monotonic_ns()}"))
+        theirs = llama(b, args.model, t, 0, 16)
+        ours = inferno(args.model, prompts[16], 16, t, [], first)
+        add("first run, whole process s", ours["wall"], theirs["wall"])
+        later = inferno(args.model, prompts[16], 16, t, [], warm)
+        add("later run, whole process s", later["wall"], theirs["wall"])
+        add("peak RSS MiB (later run)", later["rss"] / 2**20, theirs["rss"] / 2**20)
+    print(f"{Path(args.model).name}, {t} threads, medians of {args.rounds} rounds")
+    print(f"{'':42} {'inferno':>9} {'llama.cpp':>10} {'ratio':>7}")
+    for name, pairs in rows.items():
+        ours, theirs = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+        print(f"{name:42} {ours:9.1f} {theirs:10.1f} {ours / theirs:6.2f}x")
+
+
+if __name__ == "__main__":
+    main()
