@@ -344,7 +344,8 @@ def progress_on(console) -> Callable[[str], AbstractContextManager] | None:
 KERNEL_STEPS = {True: "loading kernels", False: "compiling kernels (first run)",
                 None: "loading or compiling kernels"}
 KERNEL_MODULES = ("inferno.kernels.ops", "inferno.kernels.attention", "inferno.kernels.quant",
-                  "inferno.kernels.quant_batch", "inferno.kernels.nibble_dots")
+                  "inferno.kernels.quant_batch", "inferno.kernels.nibble_dots", "inferno.kernels.dequant",
+                  "inferno.kernels.repack")
 
 
 def kernels_cached() -> bool | None:
