@@ -21,6 +21,7 @@ os.environ[CACHE_DIR_ENV] = _MODEL_CACHE.name
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / common.DEFAULT_MODEL
 GEMMA_MODEL = ROOT / "models" / "gemma-3-270m-q4_k_m.gguf"
+QWEN_MODEL = ROOT / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 FIXTURES = ROOT / "tests" / "fixtures"
 
 
@@ -28,7 +29,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """Under CI a missing model fails the run: a CI that skips most of the suite is not a green CI."""
     if os.environ.get("CI", "").lower() not in ("true", "1"):
         return
-    for model in (DEFAULT_MODEL, GEMMA_MODEL):
+    for model in (DEFAULT_MODEL, GEMMA_MODEL, QWEN_MODEL):
         if not model.is_file():
             pytest.exit(f"CI is set and the model {model.name} is absent: fetch it with `make models`",
                         returncode=1)

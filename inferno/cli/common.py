@@ -23,7 +23,8 @@ EXIT_TERMINATED = 143  # 128 + SIGTERM: a `kill` unwinds as Ctrl-C does (temp fi
 STDOUT_CLOSED = "standard output is closed (`>&-`): redirect it to a file or /dev/null instead"
 DEFAULT_MODEL = Path("models") / "SmolLM2-135M-Instruct.Q4_1.gguf"  # relative to a checkout
 # Names a model argument may be instead of a path: the files bin/fetch-model (and the Makefile) fetch.
-MODEL_FILES = {"smollm2": DEFAULT_MODEL, "gemma3": Path("models") / "gemma-3-270m-q4_k_m.gguf"}
+MODEL_FILES = {"smollm2": DEFAULT_MODEL, "gemma3": Path("models") / "gemma-3-270m-q4_k_m.gguf",
+               "qwen": Path("models") / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"}
 
 
 def fail(prog: str, message: str) -> NoReturn:
@@ -233,7 +234,7 @@ def default_model() -> Path:
 
 def model_file(arg: str | os.PathLike | None) -> Path:
     """A command's model argument as a file: none given is the default model; a name bin/fetch-model
-    knows (smollm2, gemma3) is its file in models/, unless a file of that very name is here."""
+    knows (smollm2, gemma3, qwen) is its file in models/, unless a file of that very name is here."""
     if arg is None:
         return default_model()
     name = str(arg)
