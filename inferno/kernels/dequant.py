@@ -13,6 +13,7 @@ from numba.extending import intrinsic, overload
 from inferno.kernels.ggml import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from inferno.kernels.jit import njit
 from inferno.kernels.llvm_ir import float_from_bits
+from inferno.kernels.nibble_dots import PACKED
 
 # ---------------------------------------------------------------------------------------------------
 # Scalar helpers. `w` is one tile: uint8[block, byte, lane].
@@ -150,29 +151,16 @@ def _deq_packed(w, r0, r1, out, kind, per, quads, stride, high_bits, planes):
                                     out[e + i, r - r0] = dl * np.float32(v - 32)
 
 
-@njit(cache=True)
-def _deq_q4_0(w, r0, r1, out):
-    _deq_packed(w, r0, r1, out, Q4_0, 1, 2, 16, 0, 0)
+def _packed_dequantizer(kind: int):
+    """_deq_packed for one packed type, its Packing's fields closure constants (cached as module
+    functions are)."""
+    per, quads, stride, high_bits, planes = PACKED[kind]
 
+    @njit(cache=True)
+    def dequantize(w, r0, r1, out):
+        _deq_packed(w, r0, r1, out, kind, per, quads, stride, high_bits, planes)
 
-@njit(cache=True)
-def _deq_q4_1(w, r0, r1, out):
-    _deq_packed(w, r0, r1, out, Q4_1, 1, 4, 16, 0, 0)
-
-
-@njit(cache=True)
-def _deq_q5_0(w, r0, r1, out):
-    _deq_packed(w, r0, r1, out, Q5_0, 1, 6, 16, 1, 2)
-
-
-@njit(cache=True)
-def _deq_q4_k(w, r0, r1, out):
-    _deq_packed(w, r0, r1, out, Q4_K, 8, 20, 16, 0, 0)
-
-
-@njit(cache=True)
-def _deq_q6_k(w, r0, r1, out):
-    _deq_packed(w, r0, r1, out, Q6_K, 8, 18, 24, 2, 34)
+    return dequantize
 
 
 @njit(cache=True)
@@ -216,9 +204,8 @@ def _deq_q5_k(w, r0, r1, out):
     _deq_k4(w, r0, r1, out, 48, 16)
 
 
-DEQUANTIZE = {F32: _deq_f32, F16: _deq_f16, BF16: _deq_bf16, Q8_0: _deq_q8_0, Q4_0: _deq_q4_0,
-               Q4_1: _deq_q4_1, Q5_0: _deq_q5_0, Q5_1: _deq_q5_1, Q4_K: _deq_q4_k, Q5_K: _deq_q5_k,
-               Q6_K: _deq_q6_k}
+DEQUANTIZE = {F32: _deq_f32, F16: _deq_f16, BF16: _deq_bf16, Q8_0: _deq_q8_0, Q5_1: _deq_q5_1,
+              Q5_K: _deq_q5_k} | {kind: _packed_dequantizer(kind) for kind in PACKED}
 
 
 def dequantize_tile(kind, w, r0, r1, out):

@@ -157,6 +157,24 @@ PACKED = {
 
 
 @njit(cache=True)
+def sums_size(kind, blocks):
+    """How many sums of x a type's dots take (see integer_activations)."""
+    return 2 * blocks if kind == Q6_K else blocks
+
+
+@njit(cache=True)
+def integer_activations(x, parts, scale, sums, kind):
+    """x float32[cols] split for the integer dots of `kind`: parts and each block's scale
+    (split_activations), and sums float32[sums_size]: each block's sum of x, or for Q8_0 of part 0
+    (its dots take back 128 times it), or for Q6_K of every 16 values (its offset of 32)."""
+    split_activations(x, parts, scale, sums[: scale.size])
+    if kind == Q8_0:
+        first_part_sums(parts, sums)
+    elif kind == Q6_K:
+        half_sums(x, sums)
+
+
+@njit(cache=True)
 def half_sums(x, out):
     """out[h] = the sum of values 16h..16h+15 of x (what Q6_K's offset of 32 multiplies: its scales
     change every 16 values)."""

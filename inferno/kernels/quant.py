@@ -37,14 +37,7 @@ from inferno.kernels.dequant import DEQUANTIZE, dequantize_tile, f16, zero
 from inferno.kernels.ggml import Q4_K, Q6_K, Q8_0
 from inferno.kernels.jit import njit
 from inferno.kernels.llvm_ir import prefetch_ahead
-from inferno.kernels.nibble_dots import (
-    ACTIVATIONS,
-    PACKED,
-    first_part_sums,
-    half_sums,
-    quant_dots,
-    split_activations,
-)
+from inferno.kernels.nibble_dots import ACTIVATIONS, PACKED, integer_activations, quant_dots, sums_size
 from inferno.kernels.nibble_dots import LANES as NIBBLE_LANES
 from inferno.kernels.repack import TILE_BYTES, repack
 
@@ -389,15 +382,11 @@ def _matvec(kind: int, n_parts: int) -> Callable:
     def matvec(tiles, x, out, nchunks):
         ntiles, lanes = tiles.shape[0], tiles.shape[3]
         nblocks = x.size // 32  # the float types' rows need not be whole blocks; they ignore xq
-        xs = np.zeros(2 * nblocks if kind == Q6_K else nblocks, np.float32)
+        xs = np.zeros(sums_size(kind, nblocks), np.float32)
         parts = np.empty((n_parts, x.size if integer else 0), np.int8)
         scale = np.empty(nblocks if integer else 0, np.float32)
         if integer:
-            split_activations(x, parts, scale, xs[:nblocks])
-            if kind == Q8_0:  # its dots take back 128 times the sum of each block's part
-                first_part_sums(parts, xs)
-            elif kind == Q6_K:  # its offset of 32 takes sums of every 16 values
-                half_sums(x, xs)
+            integer_activations(x, parts, scale, xs, kind)
         else:
             for b in range(nblocks):
                 for j in range(32):

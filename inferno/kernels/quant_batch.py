@@ -25,10 +25,10 @@ import numpy as np
 from numba import prange
 
 from inferno.kernels.dequant import dequantize_tile, f16
-from inferno.kernels.ggml import Q6_K, Q8_0
+from inferno.kernels.ggml import Q8_0
 from inferno.kernels.jit import njit
 from inferno.kernels.llvm_ir import prefetch_ahead
-from inferno.kernels.nibble_dots import first_part_sums, half_sums, split_activations
+from inferno.kernels.nibble_dots import integer_activations, sums_size
 from inferno.kernels.quant import QuantizedMatrix, _dot_integer, integer_parts
 
 GROUP_VALUES = 32  # values of a row dequantized per step: one block of the 32-value types
@@ -206,13 +206,9 @@ def _integer_kernel(kind: int, n_parts: int) -> Callable:
         nblocks = cols // 32  # blocks of x's values (a Q4_K block of the tiles holds eight)
         parts = np.empty((n_rows, n_parts, cols), np.int8)
         scale = np.empty((n_rows, nblocks), np.float32)
-        xs = np.empty((n_rows, 2 * nblocks if kind == Q6_K else nblocks), np.float32)
+        xs = np.empty((n_rows, sums_size(kind, nblocks)), np.float32)
         for i in range(n_rows):
-            split_activations(x[i], parts[i], scale[i], xs[i, :nblocks])
-            if kind == Q8_0:  # its dots take back 128 times the sum of each block's part
-                first_part_sums(parts[i], xs[i])
-            elif kind == Q6_K:  # its offset of 32 takes sums of every 16 values
-                half_sums(x[i], xs[i])
+            integer_activations(x[i], parts[i], scale[i], xs[i], kind)
         nchunks = min(ntiles, nchunks)
         for c in prange(nchunks):  # one run of tiles per thread
             acc = np.empty((n_rows, lanes), np.float32)
