@@ -18,3 +18,31 @@ IMPORTED_AT = perf_counter()  # when the first inferno module was imported: a co
 #   (584 -> 734 tok/s; dequantizing the weights for BLAS went 222 -> 55 ms).
 os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
+
+
+def cpu_quota(root: str = "/sys/fs/cgroup") -> int | None:
+    """Whole CPUs a cgroup's quota allows this process (a container's `--cpus`; at least 1), or None
+    when it sets none. Read as automaxprocs does: cgroup v2's cpu.max, else v1's cfs quota and period."""
+    v1 = f"{root}/cpu/cpu.cfs_quota_us", f"{root}/cpu/cpu.cfs_period_us"
+    for path, split in ((f"{root}/cpu.max", None), v1):
+        try:
+            with open(path) as f:
+                fields = f.read().split()
+            if split is not None:
+                with open(split) as f:
+                    fields += f.read().split()
+            quota, period = int(fields[0]), int(fields[1])
+        except (OSError, ValueError, IndexError):  # absent, "max" (no quota), or unreadable
+            continue
+        return max(1, quota // period) if quota > 0 and period > 0 else None
+    return None
+
+
+# Numba sizes its pool from the CPUs this process may run on (affinity), not from a CPU quota; a pool
+# larger than the quota is throttled mid-step, which costs as much as a busy neighbour. OpenBLAS sizes
+# its own from the machine.
+if "NUMBA_NUM_THREADS" not in os.environ and hasattr(os, "sched_getaffinity"):
+    _allowed = min(len(os.sched_getaffinity(0)), cpu_quota() or os.cpu_count() or 1)
+    if _allowed < (os.cpu_count() or 1):
+        os.environ["NUMBA_NUM_THREADS"] = str(_allowed)
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", str(_allowed))

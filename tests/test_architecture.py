@@ -35,8 +35,6 @@ EXCEPTIONS = {
         "the benchmark report prints through the commands' console (NO_COLOR, pipes, widths)",
     ("inferno.bench.batch_sweep", "inferno.cli.generate_many"):
         "kv-bench --batch-sweep measures model-generate --many's own path, not a copy of it",
-    ("inferno.serve.engine_loop", "inferno.cli.common"):
-        "Numba's thread count is per thread: the engine's thread sets it with the commands' one setter",
 }
 
 

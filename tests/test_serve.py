@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from inferno.cli.common import set_threads
+from inferno.runtime.threads import GOVERNOR
 
 openai = pytest.importorskip("openai")
 
@@ -113,16 +114,12 @@ def client(server):
 def one_thread():
     """The kernels on one thread, as the test server runs them: on a busy 2-core machine two threads per
     parallel loop wait on each other's preemption (a 37-token prefill took 3-8 s, 0.6 s on one)."""
-    import numba
-    from threadpoolctl import threadpool_limits
-
-    before = numba.get_num_threads()
+    before = GOVERNOR.fixed
     set_threads(1)
     try:
         yield
     finally:
-        numba.set_num_threads(before)
-        threadpool_limits(before)
+        GOVERNOR.fix(before)
 
 
 @pytest.fixture(scope="module")

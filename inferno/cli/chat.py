@@ -29,6 +29,7 @@ from inferno.cli.common import (
     run,
     script,
     set_threads,
+    threads_option,
     utf8,
     version_option,
 )
@@ -130,7 +131,7 @@ def stats_line(cache, conversation: Conversation) -> str:
 @click.option("--top-k", type=int, default=0, help="Sample from the k most likely tokens (0: off).")
 @click.option("--top-p", type=float, default=1.0, help="Sample from the smallest set of mass p.")
 @click.option("--seed", type=int, default=None, help="Random seed for sampling.")
-@click.option("--threads", type=int, default=None, help="Threads for the kernels (default: all cores).")
+@threads_option()
 @click.option("--activations", default="f32", show_default=True, metavar="f32|int8")
 @version_option()
 def command(model, system, template_file, max_new, kv, kv_dtype, max_context, temperature, top_k, top_p, seed,

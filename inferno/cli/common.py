@@ -270,24 +270,22 @@ def check_activations(name: str) -> None:
         raise InfernoError(f"--activations {name!r}: expected one of {', '.join(ACTIVATIONS)}")
 
 
-def set_threads(threads: int | None) -> None:
-    """Cap every thread pool we use (Numba's and the BLAS behind numpy) at `threads`.
+def set_threads(threads: int | None, measured: bool = True) -> None:
+    """--threads N runs the kernels on N threads for the whole run. Without it the runtime chooses the
+    count step by step by measuring (inferno.runtime.threads) and says so once on stderr when other
+    processes' load makes fewer threads faster; or, not `measured` (a benchmark, which compares fixed
+    settings), uses them all. (How long idle workers spin is set in inferno/__init__.py.)"""
+    from inferno.runtime.threads import GOVERNOR
 
-    Works whenever it is called: the BLAS limit goes through threadpoolctl to the library numpy has
-    already loaded. (How long idle workers spin is set in inferno/__init__.py.)
-    """
+    GOVERNOR.notice = lambda message: say(f"note: {message}")
     if threads is None:
+        GOVERNOR.fix(None if measured else GOVERNOR.most)
         return
     if threads < 1:
         raise InfernoError(f"--threads must be at least 1, got {threads}")
-    import numba
-    from threadpoolctl import threadpool_limits
-
-    available = numba.config.NUMBA_NUM_THREADS
-    if threads > available:
-        raise InfernoError(f"--threads {threads} is more than the {available} this machine has")
-    numba.set_num_threads(threads)
-    threadpool_limits(threads)
+    if threads > GOVERNOR.most:
+        raise InfernoError(f"--threads {threads} is more than the {GOVERNOR.most} this process may use")
+    GOVERNOR.fix(threads)
 
 
 def console(stderr: bool = False):
@@ -380,6 +378,13 @@ def kernels_cached() -> bool | None:
 def quiet_console(quiet: bool, as_json: bool = False):
     """The stderr console progress and metrics go to, or None when --quiet or --json keep it silent."""
     return None if quiet or as_json else console(stderr=True)
+
+
+def threads_option(measured: bool = True) -> Callable:
+    default = ("chosen step by step by measuring, up to every CPU this process may use" if measured
+               else "every CPU this process may use")
+    return click.option("--threads", type=int, default=None,
+                        help=f"Threads for the kernels (default: {default}).")
 
 
 def quiet_option() -> Callable:

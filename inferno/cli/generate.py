@@ -27,6 +27,7 @@ from inferno.cli.common import (
     run,
     script,
     set_threads,
+    threads_option,
     utf8,
     version_option,
 )
@@ -177,7 +178,7 @@ def _near_mode(word: str | None) -> bool:
 @click.option("--ignore-eos", is_flag=True, help="Generate all tokens even past end-of-sequence.")
 @click.option("--prompt-file", type=click.Path(dir_okay=False, allow_dash=True), default=None,
               help="Read the prompt from a file, or standard input for - (PROMPT is then not given).")
-@click.option("--threads", type=int, default=None, help="Threads for the kernels (default: all cores).")
+@threads_option()
 @click.option("--activations", default="f32", show_default=True, metavar="f32|int8",
               help="How quantized weights take activations: f32 keeps the float reference's tokens; int8 "
                    "rounds them as llama.cpp does (faster batches; kv-bench --fidelity measures it).")

@@ -33,6 +33,7 @@ from inferno.cli.common import (
     run,
     script,
     set_threads,
+    threads_option,
     utf8,
     version_option,
 )
@@ -113,7 +114,7 @@ def split_args(args: tuple[str, ...]) -> tuple[Path, str]:
               help="--kv paged: N sequences forked from the prompt, decoding together (default: 1).")
 @click.option("--kv-dtype", default=DEFAULT_DTYPE, show_default=True, metavar="TYPE",
               help=f"Store the rows as {' | '.join(DTYPES)} and show what that loses per layer and KV head.")
-@click.option("--threads", type=int, default=None, help="Threads for the kernels (default: all cores).")
+@threads_option()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, metavar="FILE.svg|FILE.png",
               help="Also draw K/V norms, --layer's attention and --kv paged's block map into FILE.")

@@ -21,6 +21,7 @@ from inferno.cli.common import (
     run,
     script,
     set_threads,
+    threads_option,
     utf8,
     version_option,
 )
@@ -119,7 +120,7 @@ def check_bounds(engine, depth: int | None, new_tokens: int, tokens: int | None,
               help="--mixed-load: rounds per budget; the median round (by ITL p99) is shown.")
 @click.option("--activations", default="f32", show_default=True, metavar="f32|int8",
               help="How quantized weights take activations (--fidelity: the rows besides the reference's).")
-@click.option("--threads", type=int, default=None)
+@threads_option(measured=False)
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, metavar="FILE.svg|FILE.png",
               help="Also draw the results (matplotlib) into FILE: SVG or PNG by its extension.")
@@ -145,7 +146,7 @@ def command(model, prompt, depth, new_tokens, modes, kv_dtypes, fidelity, text_f
         from inferno.analysis.plots import check_plot_file
 
         check_plot_file(plot)
-    set_threads(threads)
+    set_threads(threads, measured=False)
     chosen = split_list(modes, MODES, "mode")
     dtypes = split_list(kv_dtypes, DTYPES, "element type")
     if new_tokens < 2:

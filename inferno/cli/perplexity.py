@@ -20,6 +20,7 @@ from inferno.cli.common import (
     run,
     script,
     set_threads,
+    threads_option,
     version_option,
 )
 from inferno.errors import InfernoError
@@ -36,7 +37,7 @@ PROG = "kv-perplexity"
               help="The text to score (UTF-8).")
 @click.option("--window", type=int, required=True, metavar="W", help="Positions each layer's window holds.")
 @click.option("--sinks", type=int, default=DEFAULT_SINKS, show_default=True, help="First positions kept.")
-@click.option("--threads", type=int, default=None, help="Threads for the kernels (default: all cores).")
+@threads_option()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @quiet_option()
 @version_option()

@@ -26,6 +26,7 @@ from inferno.cli.common import (
     run,
     script,
     set_threads,
+    threads_option,
     version_option,
 )
 from inferno.cli.display import fmt_bytes
@@ -95,7 +96,7 @@ def url_of(sock: socket.socket) -> str:
                    "decoding sequences instead of stalling them.")
 @click.option("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, show_default=True,
               help="Requests queued behind the batch; past it a request gets 503 at once.")
-@click.option("--threads", type=int, default=None, help="Threads for the kernels (default: all cores).")
+@threads_option()
 @click.option("--activations", default="f32", show_default=True, metavar="f32|int8",
               help="How quantized weights take activations (see model-generate --help).")
 @click.option("--chat-template", "chat_template", type=click.Path(dir_okay=False), default=None,
@@ -180,7 +181,7 @@ def command(model, host, port, kv, kv_dtype, block_size, cache_memory, max_batch
     serve_config = ServeConfig(name, max_sequence, config.vocab_size, template, has_model_template, api_key,
                                {model_path.stem, str(model_path)})
     metrics = ServerMetrics(name)
-    loop = EngineLoop(scheduler, engine.tokenizer, metrics, threads)
+    loop = EngineLoop(scheduler, engine.tokenizer, metrics)
     app = create_app(loop, engine.tokenizer, metrics, serve_config)
 
     say(f"{name}: context {context:,} tokens, loaded in {perf_counter() - t0:.1f} s")

@@ -1,3 +1,3 @@
 """The runtime: requests scheduled into one forward per step with continuous batching (scheduler),
-a loaded model with its tokenizer, warmed kernels and the Python API (engine), and what a run cost
-and produced (metrics)."""
+the threads each step runs on (threads), a loaded model with its tokenizer, warmed kernels and the
+Python API (engine), and what a run cost and produced (metrics)."""

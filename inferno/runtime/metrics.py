@@ -51,6 +51,7 @@ class Metrics:
     cache_bytes: int = 0
     cache_capacity: int = 0
     evicted_tokens: int = 0  # positions a window cache no longer holds (it evicts instead of refusing)
+    threads: int = 0  # the kernels' threads in its last step (runtime.threads chooses them; 0: no step yet)
 
     @property
     def prefill_ms(self) -> float | None:
@@ -94,6 +95,7 @@ class Metrics:
             "cache_bytes": self.cache_bytes,
             "cache_capacity": self.cache_capacity,
             "evicted_tokens": self.evicted_tokens,
+            "threads": self.threads,
         }
 
 

@@ -36,6 +36,7 @@ from inferno.model.sampling import Sampler
 from inferno.model.transformer import PREFILL_CHUNK, Transformer
 from inferno.model.validate import check_logits, refusing_non_finite
 from inferno.runtime.metrics import Metrics
+from inferno.runtime.threads import GOVERNOR
 from inferno.text.output_text import OutputText
 from inferno.text.tokenizer import GGUFTokenizer
 
@@ -298,10 +299,12 @@ class Scheduler:
         tokens = np.fromiter((t for piece in pieces for t in piece), np.int64, sum(counts))
         t = perf_counter()
         try:
-            with refusing_non_finite(len(batch[0][0].tokens) - 1):
+            with refusing_non_finite(len(batch[0][0].tokens) - 1), GOVERNOR.step(len(tokens)) as threads:
                 logits = self.model.forward(tokens, [gen.cache for gen, _ in batch], counts)
         except InfernoError as exc:
             return None, (perf_counter() - t) * 1000, str(exc)
+        for gen, _ in batch:
+            gen.metrics.threads = threads
         self.steps += 1
         return logits, (perf_counter() - t) * 1000, None
 

@@ -94,9 +94,8 @@ class Submission:
 class EngineLoop:
     """Owns `scheduler` in a thread of its own; `submit`, `abort` and `stop` are safe from any thread."""
 
-    def __init__(self, scheduler: Scheduler, tokenizer: GGUFTokenizer, metrics: ServerMetrics,
-                 threads: int | None = None):
-        self.scheduler, self.tokenizer, self.metrics, self.threads = scheduler, tokenizer, metrics, threads
+    def __init__(self, scheduler: Scheduler, tokenizer: GGUFTokenizer, metrics: ServerMetrics):
+        self.scheduler, self.tokenizer, self.metrics = scheduler, tokenizer, metrics
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._routes: dict[int, tuple[Submission, int]] = {}  # request id -> (its submission, choice)
         self._stopping = False
@@ -147,10 +146,6 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
-            if self.threads is not None:
-                from inferno.cli.common import set_threads  # Numba's thread count is per thread
-
-                set_threads(self.threads)
             while not self._stopping:
                 self._take(block=not self.scheduler.has_work)
                 if self.scheduler.has_work and not self._stopping:
