@@ -420,3 +420,15 @@ def test_bench_serve_reports_against_the_server(server, capsys):
     assert report["ttft_p50_s"] > 0 and 0 <= report["prefix_hit_ratio"] <= 1
     with pytest.raises(SystemExit, match="not a loopback address"):
         bench.main(["--url", "http://example.com:8080"])
+
+
+def test_bench_serve_prefix_reuse_reports_each_requests_ttft_and_cached_tokens(server, capsys):
+    from inferno.bench import serve as bench
+
+    code = bench.main(["--url", server.url, "--prefix-reuse", "--system-words", "97", "--json"])
+    got = json.loads(capsys.readouterr().out)
+    assert code == 0 and got["first_ttft_s"] > 0 and got["second_ttft_s"] > 0
+    # The second finds every full block of the shared system prompt (the first may find some of
+    # another test's prompts, which start with the same words).
+    shared = got["prompt_tokens"] - 24  # the user turn's tokens and the template's around them, at most
+    assert got["second_cached_tokens"] >= shared // 16 * 16 > got["first_cached_tokens"] - 16

@@ -8,6 +8,10 @@ tokens per second (all output tokens over the wall time of the run), time to fir
 output token (p50, p99), errors, and the prefix-cache hit ratio (cached / prompt tokens from each
 response's usage.prompt_tokens_details, when the server reports it). --json prints one object.
 
+With --prefix-reuse it sends two requests one after the other instead, sharing the system prompt
+(make it long: --system-words 750 is about 1,000 tokens), and reports each one's time to first token
+and cached tokens: how much a prefix cache saves the second.
+
 Only loopback servers are measured (this is a benchmark, not a load generator for someone else's host),
 and the run is bounded by --timeout seconds in all.
 """
@@ -157,16 +161,20 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Result
     return result
 
 
+async def model_name(client: httpx.AsyncClient, url: str, model: str | None) -> str:
+    """`model`, or the first the server lists."""
+    if model is not None:
+        return model
+    return (await client.get(f"{url}/v1/models")).raise_for_status().json()["data"][0]["id"]
+
+
 async def run(args: argparse.Namespace) -> Report:
     url = args.url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.clients + 2, max_keepalive_connections=args.clients + 2)
     timeout = httpx.Timeout(args.timeout)
     async with httpx.AsyncClient(timeout=timeout, headers=headers, limits=limits) as client:
-        model = args.model
-        if model is None:
-            listed = (await client.get(f"{url}/v1/models")).raise_for_status().json()
-            model = listed["data"][0]["id"]
+        model = await model_name(client, url, args.model)
         system = system_prompt(args.system_words)
 
         def body(i: int) -> dict:
@@ -219,6 +227,42 @@ async def run(args: argparse.Namespace) -> Report:
         error_samples=sorted({r.error for r in results if r.error})[:5])
 
 
+async def prefix_reuse(args: argparse.Namespace) -> dict:
+    """Two requests in turn behind one system prompt: TTFT and cached tokens of each."""
+    url = args.url.rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), headers=headers) as client:
+        model = await model_name(client, url, args.model)
+        system = system_prompt(args.system_words)
+        got = []
+        for i in range(2):
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": question(i)}]
+            body = {"model": model, "max_tokens": 8, "temperature": 0.0, "stream": True,
+                    "stream_options": {"include_usage": True}, "messages": messages}
+            got.append(await one_request(client, url, body))
+    bad = [r.error for r in got if not r.ok or r.ttft_s is None]
+    if bad:
+        raise SystemExit(f"bench.serve: error: {bad[0] or 'no token came back'}")
+    first, second = got
+    return {"url": url, "model": model, "system_words": args.system_words,
+            "prompt_tokens": first.prompt_tokens,
+            "first_ttft_s": first.ttft_s, "first_cached_tokens": first.cached_tokens,
+            "second_ttft_s": second.ttft_s, "second_cached_tokens": second.cached_tokens,
+            "ttft_ratio": first.ttft_s / second.ttft_s}
+
+
+def reuse_table(r: dict) -> str:
+    def cached(n: int | None) -> str:
+        of = f"of {r['prompt_tokens']:,} prompt tokens cached"
+        return "n/a (no usage details)" if n is None else f"{n:,} {of}"
+
+    return "\n".join([
+        f"{'server':<13}{r['url']}  model {r['model']}",
+        f"{'first':<13}TTFT {r['first_ttft_s'] * 1000:.0f} ms, {cached(r['first_cached_tokens'])}",
+        f"{'second':<13}TTFT {r['second_ttft_s'] * 1000:.0f} ms, {cached(r['second_cached_tokens'])}",
+        f"{'ratio':<13}{r['ttft_ratio']:.1f}x lower TTFT for the second"])
+
+
 def table(r: Report) -> str:
     def ms(v: float | None) -> str:
         return "n/a" if v is None else f"{v * 1000:.0f} ms"
@@ -256,12 +300,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=0, help="requests sent one by one before the run")
     parser.add_argument("--timeout", type=float, default=600, help="seconds for the whole run")
     parser.add_argument("--api-key", default=None)
+    parser.add_argument("--prefix-reuse", action="store_true",
+                        help="two requests in turn behind the system prompt: TTFT and cached tokens of each")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
     for name in ("clients", "requests", "max_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     check_loopback(args.url)
+    if args.prefix_reuse:
+        try:
+            reuse = asyncio.run(prefix_reuse(args))
+        except httpx.HTTPError as exc:
+            print(f"bench.serve: error: {args.url}: {exc}", file=sys.stderr)
+            return 2
+        print(json.dumps(reuse) if args.json else reuse_table(reuse))
+        return 0
     try:
         report = asyncio.run(run(args))
     except httpx.HTTPError as exc:
