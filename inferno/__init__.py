@@ -1,7 +1,7 @@
 """inferno: run GGUF language models on the CPU and make the KV cache visible."""
 
 import os
-from time import perf_counter
+from time import monotonic, perf_counter
 
 __version__ = "0.1.0"
 IMPORTED_AT = perf_counter()  # when the first inferno module was imported: a command's start-up begins here
@@ -46,3 +46,19 @@ if "NUMBA_NUM_THREADS" not in os.environ and hasattr(os, "sched_getaffinity"):
     if _allowed < (os.cpu_count() or 1):
         os.environ["NUMBA_NUM_THREADS"] = str(_allowed)
         os.environ.setdefault("OPENBLAS_NUM_THREADS", str(_allowed))
+
+
+def machine_cpu() -> tuple[float, float, float] | None:
+    """(CPU seconds every CPU has been busy, CPU seconds of this process, monotonic seconds), or None
+    without /proc/stat: two of them tell how busy other processes kept the CPUs in between."""
+    try:
+        with open("/proc/stat") as f:  # cpu user nice system idle iowait irq softirq steal (guest...)
+            ticks = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    own = os.times()
+    busy = sum(ticks) - ticks[3] - ticks[4]  # a hypervisor's steal counts as busy: the CPU was not ours
+    return busy / os.sysconf("SC_CLK_TCK"), own.user + own.system, monotonic()
+
+
+STARTED_CPU = machine_cpu()  # at import; the thread governor's first count compares against it

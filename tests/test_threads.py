@@ -14,8 +14,8 @@ class Machine:
     def __init__(self, costs: dict[int, float]):
         self.costs, self.now, self.applied, self.notices = costs, 0.0, [], []
 
-    def governor(self, most: int) -> ThreadGovernor:
-        gov = ThreadGovernor(most, apply=self.applied.append, clock=lambda: self.now)
+    def governor(self, most: int, others: float | None = None) -> ThreadGovernor:
+        gov = ThreadGovernor(most, apply=self.applied.append, clock=lambda: self.now, others=lambda: others)
         gov.notice = self.notices.append
         return gov
 
@@ -65,6 +65,21 @@ def test_load_arriving_and_leaving_is_followed_both_ways():
     machine.run(gov, 300)
     assert gov.current == 2
     assert len(machine.notices) == 1  # said once per process
+
+
+def test_the_first_count_follows_how_busy_others_kept_the_cpus_at_start_up(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    machine = Machine(BUSY)
+    gov = machine.governor(2, others=0.9)  # a neighbour spun while the command started
+    assert gov.settle() == 1 and machine.applied == [1]  # the warm-up runs on it too
+    assert "kept 0.9 CPUs busy" in machine.notices[0] and "1 of 2 threads" in machine.notices[0]
+    counts = machine.run(gov, 64)
+    assert counts.count(2) == 0  # no slow probe of two threads in a short run
+    quiet = Machine(QUIET)
+    gov = quiet.governor(2, others=0.2)
+    assert quiet.run(gov, 3)[0] == 2 and quiet.notices == []
+    unknown = Machine(QUIET)
+    assert unknown.governor(2, others=None).settle() == 2
 
 
 def test_steps_of_different_sizes_are_compared_only_with_their_like():

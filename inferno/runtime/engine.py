@@ -34,6 +34,7 @@ from inferno.model.transformer import BATCH_ROWS, Transformer
 from inferno.model.validate import check_logits, refusing_non_finite
 from inferno.runtime.metrics import RunRecord, Startup
 from inferno.runtime.scheduler import Generation, Request, Scheduler
+from inferno.runtime.threads import GOVERNOR
 from inferno.text.tokenizer import GGUFTokenizer
 
 # progress("loading model.gguf") returns a context manager around that step (a spinner, a log line).
@@ -66,6 +67,7 @@ class Engine:
             ready = prepared.load(path)
             release_freed_heap()
         t1 = perf_counter()
+        GOVERNOR.settle()
         with step("compiling kernels (cached on disk after the first run)"):
             warm_up(ready.model)
         t2 = perf_counter()

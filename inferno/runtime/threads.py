@@ -4,7 +4,9 @@ The kernels' threads meet at a barrier after every parallel loop, over a hundred
 On a quiet machine each thread has a core and two threads beat one. When other processes want the
 cores, a thread that is descheduled holds the others up at every barrier, and a step on all threads
 becomes many times slower than one on a single thread. Which count is faster is a fact about the
-machine at the moment, so by default it is measured: the scheduler times every step, now and then
+machine at the moment, so by default it is measured. The first count comes from how busy other
+processes kept the CPUs while the command started (its imports and loading); then the scheduler times
+every step, now and then
 runs one step on a neighbouring count (a probe), and keeps whichever computes a token faster. Probes
 cost time (a probe on the worse count is a slow step), so they are spaced to cost at most PROBE_COST of
 it, judged from the last probe's ratio; they come soon again when the current count's time moves (the
@@ -18,6 +20,7 @@ behind numpy has one count for the process, set when the count changes.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -25,6 +28,8 @@ from contextlib import contextmanager
 from time import perf_counter
 
 import numba
+
+from inferno import STARTED_CPU, machine_cpu
 
 FIRST_PROBE = 1  # steps timed on the current count, in a class of step, before it is challenged
 PROBE_EVERY = (16, 256)  # bounds on the steps between probes
@@ -38,12 +43,16 @@ class ThreadGovernor:
     """`with governor.step(tokens):` around each forward; `fix(n)` for a count that never changes."""
 
     def __init__(self, most: int, apply: Callable[[int], None] | None = None,
-                 clock: Callable[[], float] = perf_counter):
+                 clock: Callable[[], float] = perf_counter,
+                 others: Callable[[], float | None] = lambda: _others_since_start()):
         """most: the pool's size; apply(threads) sets the count (default: Numba's for the calling
-        thread and the BLAS's); clock: seconds, to time steps."""
+        thread and the BLAS's); clock: seconds, to time steps; others(): the CPUs other processes
+        kept busy since start-up (None: unknown)."""
         self.most = most  # Numba's NUMBA_NUM_THREADS: affinity and CPU quota applied (inferno/__init__.py)
         self._apply = apply or self._set_pools
         self._clock = clock
+        self._others = others
+        self._settled = False
         self.fixed: int | None = None
         self.current = most
         self.notice: Callable[[str], None] | None = None  # told once when load first costs threads
@@ -62,6 +71,24 @@ class ThreadGovernor:
         self.fixed = threads
         if threads is not None:
             self._apply(threads)
+
+    def settle(self) -> int:
+        """Decide the first count (once) and set it for the calling thread: the model's warm-up runs
+        on it too. All threads unless other processes kept CPUs busy since start-up."""
+        if self.fixed is None and not self._settled:
+            self._settled = True
+            others = self._others()
+            if others is not None:
+                free = max(1, (os.cpu_count() or self.most) - round(others))
+                first = next(n for n in self._ladder if n <= free)
+                if first < self.most:
+                    self.current = first
+                    # probing more threads is a slow step while the load lasts: not at once
+                    self._probe_at = self._steps + PROBE_EVERY[0] * 4
+                    self._say(f"other processes kept {others:.1f} CPUs busy as it started: the kernels "
+                              f"run on {first} of {self.most} threads")
+        self._apply(self.threads)
+        return self.threads
 
     @property
     def threads(self) -> int:
@@ -84,6 +111,8 @@ class ThreadGovernor:
     def _choose(self, size: int) -> int:
         if self.fixed is not None:
             return self.fixed
+        if not self._settled:
+            self.settle()
         ready = len(self._seconds.get((size, self.current), ())) >= FIRST_PROBE
         if len(self._ladder) > 1 and ready and self._steps >= self._probe_at:
             return self._neighbour()
@@ -123,11 +152,14 @@ class ThreadGovernor:
 
     def _switch(self, threads: int, seconds: float, reference: float) -> None:
         before, self.current = self.current, threads
-        if threads < before and not self._noticed and self.notice is not None:
+        if threads < before:
+            self._say(f"other processes are using the cores: the kernels now run on {threads} of "
+                      f"{self.most} threads ({reference / seconds:.1f}x faster a token than on {before})")
+
+    def _say(self, message: str) -> None:
+        if not self._noticed and self.notice is not None:
             self._noticed = True
-            self.notice(f"other processes are using the cores: the kernels now run on {threads} of "
-                        f"{self.most} threads ({reference / seconds:.1f}x faster a token than on "
-                        f"{before}); --threads N fixes the count")
+            self.notice(f"{message}; --threads N fixes the count")
 
     # -- applying ----------------------------------------------------------------------------------
 
@@ -138,6 +170,15 @@ class ThreadGovernor:
 
             threadpool_limits(threads, user_api="blas")
             self._blas_threads = threads
+
+
+def _others_since_start() -> float | None:
+    """CPUs that processes other than this one kept busy, on average, since inferno was imported."""
+    now = machine_cpu()
+    if STARTED_CPU is None or now is None or now[2] - STARTED_CPU[2] < 0.1:
+        return None  # too short a time to tell (10 ms ticks)
+    busy, own, wall = (b - a for a, b in zip(STARTED_CPU, now, strict=True))
+    return max(0.0, (busy - own) / wall)
 
 
 def _spacing(ratio: float) -> int:
