@@ -21,6 +21,9 @@ the cache per step.
 Where rows are kept is the element type's too (`make_store`): a row type's are [layers, capacity,
 row] buffers; q4_kivi's group keys by channel and q4_recent keeps two forms of its newest rows, so a
 layout asks the element type for its store.
+
+`ELEMENT_TYPES` also lists bf16 and fp8, which inferno's caches do not hold: kv-memcalc sizes vLLM's
+and SGLang's caches in them from the same table. `DTYPES` is what the caches hold.
 """
 
 from __future__ import annotations
@@ -44,10 +47,15 @@ class ElementType:
     block_bytes: int  # bytes of one block, its scale included
     fmt: int | None  # the stored format in `inferno.kv.blocks`; None: float32 rows as computed
     rotate: bool = False  # heads are Hadamard-rotated before they are rounded
+    held: bool = True  # inferno's caches can hold it; False: sized for other engines only (bf16, fp8)
 
     @property
     def bits_per_value(self) -> float:
         return 8 * self.block_bytes / self.block_values
+
+    def blocks_bytes(self, values: int) -> int:
+        """Bytes of `values` values, a whole number of blocks (the caller checks): scales included."""
+        return values // self.block_values * self.block_bytes
 
     @property
     def storage(self) -> type[np.generic]:
@@ -64,8 +72,7 @@ class ElementType:
         if self.rotate and geometry.head_dim & (geometry.head_dim - 1):
             raise InfernoError(f"{self.name} rotates heads, which needs a power-of-two head_dim, "
                                f"not {geometry.head_dim}")
-        blocks_per_row = geometry.kv_width // self.block_values
-        return blocks_per_row * self.block_bytes // np.dtype(self.storage).itemsize
+        return self.blocks_bytes(geometry.kv_width) // np.dtype(self.storage).itemsize
 
     def row_bytes(self, geometry: KVGeometry) -> int:
         return self.row_items(geometry) * np.dtype(self.storage).itemsize
@@ -183,11 +190,13 @@ class RecentType(ElementType):
         return recent.RecentStore(geometry, capacity)
 
 
-DTYPES: dict[str, ElementType] = {
+ELEMENT_TYPES: dict[str, ElementType] = {
     t.name: t
     for t in (
         ElementType(F32, 1, 4, None),
         ElementType("f16", 1, 2, blocks.FMT_F16),
+        ElementType("bf16", 1, 2, None, held=False),
+        ElementType("fp8", 1, 1, None, held=False),  # e4m3 or e5m2: one byte a value either way
         ElementType("q8_0", blocks.BLOCK, 34, blocks.FMT_Q8_0),
         ElementType("q8_0h", blocks.BLOCK, 34, blocks.FMT_Q8_0, rotate=True),
         ElementType("q4_0", blocks.BLOCK, 18, blocks.FMT_Q4_0),
@@ -196,6 +205,7 @@ DTYPES: dict[str, ElementType] = {
         RecentType("q4_recent", recent.SCALED, recent.SCALED_BYTES, None, rotate=True),
     )
 }
+DTYPES: dict[str, ElementType] = {name: t for name, t in ELEMENT_TYPES.items() if t.held}
 
 
 def element_type(name: str) -> ElementType:
