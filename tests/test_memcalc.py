@@ -11,11 +11,16 @@ from pathlib import Path
 import gguf
 import pytest
 from click.testing import CliRunner
-from conftest import DEFAULT_MODEL, FIXTURES
+from conftest import DEFAULT_MODEL, FIXTURES, GEMMA_MODEL, QWEN_MODEL
 
 from inferno.cli import memcalc as memcalc_cli
 from inferno.cli.memcalc import command, main
 from inferno.errors import InfernoError
+from inferno.file.config import ModelConfig
+from inferno.file.hparams import model_info, pattern_layers, read_model_info
+from inferno.file.reader import open_gguf
+from inferno.kv import KVGeometry, make_cache
+from inferno.kv.dtypes import ELEMENT_TYPES
 from inferno.plan.deploy import Devices, device_shape, engine_plans, limiting, plan_stages, pp_stages
 from inferno.plan.hf_config import Weights, read_hf_config
 from inferno.plan.memcalc import (
@@ -23,15 +28,14 @@ from inferno.plan.memcalc import (
     bytes_per_token,
     cache_bytes,
     default_contexts,
+    kv_heads_by_layer,
     kv_shape,
     max_batch,
     max_context,
-    model_info,
     parse_contexts,
     parse_count,
     parse_layers,
     parse_size,
-    pattern_layers,
     resolve_shape,
     row_bytes,
 )
@@ -159,6 +163,23 @@ def test_bad_shapes(kwargs, message):
         kv_shape(**kwargs)
 
 
+def test_the_planner_sizes_from_the_caches_own_table_of_element_types():
+    assert all(dtype is ELEMENT_TYPES[name] for name, dtype in DTYPES.items())
+    assert [name for name, dtype in DTYPES.items() if not dtype.held] == ["bf16", "fp8"]
+    with pytest.raises(InfernoError, match="'bf16' is not one of"):  # sized for vLLM, never held
+        make_cache("prealloc", KVGeometry(1, 1, 1, 32), 4, "bf16")
+
+
+def test_per_layer_heads_and_mla_are_geometries_the_caches_refuse():
+    assert kv_shape(layers=2, kv_heads=[2, 2], head_dim=32) == KVGeometry(2, 2, 0, 32)  # one spelling
+    mixed = kv_shape(layers=2, kv_heads=[2, 4], head_dim=32, heads=8)
+    mla = kv_shape(layers=2, kv_heads=1, head_dim=576, heads=128, mla=True)
+    assert (mixed.rows, mla.rows) == (2, 1)
+    for geometry in (mixed, mla):
+        with pytest.raises(InfernoError, match="layers of one shape"):
+            make_cache("prealloc", geometry, 4)
+
+
 # --- parsing --------------------------------------------------------------------------------------
 
 
@@ -264,6 +285,27 @@ def test_model_info_refuses_missing_keys():
         model_info({"general.architecture": "x", "x.block_count": 2}.get)
 
 
+@pytest.mark.parametrize(
+    "path",
+    [FIXTURES / "tiny_llama.gguf", FIXTURES / "tiny_qwen3.gguf", DEFAULT_MODEL, GEMMA_MODEL, QWEN_MODEL],
+    ids=lambda path: path.stem,
+)
+def test_the_planner_and_the_runtime_read_one_geometry_from_a_file(path):
+    if not path.is_file():
+        pytest.skip(f"{path.name} is absent")
+    reader = open_gguf(path)
+    assert resolve_shape(read_model_info(reader)) == ModelConfig.from_gguf(reader).kv_geometry
+
+
+def test_the_runtime_refuses_heads_that_differ_by_layer_which_the_planner_sizes(tmp_path):
+    fields = {"block_count": 2, "embedding_length": 64, "attention.head_count": 4,
+              "attention.head_count_kv": [2, 1]}  # fmt: skip
+    path = write_gguf(tmp_path / "mixed.gguf", "llama", fields)
+    with pytest.raises(InfernoError, match="head_count_kv differs between layers"):
+        ModelConfig.from_gguf(open_gguf(path))
+    assert kv_heads_by_layer(resolve_shape(read_model_info(open_gguf(path)))) == (2, 1)
+
+
 def test_different_key_and_value_sizes_need_head_dim():
     meta = {
         "general.architecture": "x",
@@ -281,8 +323,8 @@ def test_different_key_and_value_sizes_need_head_dim():
 def test_flags_override_the_file():
     meta = {"general.architecture": "x", "x.block_count": 4, "x.attention.head_count_kv": [2, 2, 4, 4]}
     info = model_info({**meta, "x.attention.key_length": 64}.get)
-    assert resolve_shape(info).kv_heads == (2, 2, 4, 4)
-    assert resolve_shape(info, kv_heads=8, layers=6).kv_heads == (8,) * 6
+    assert kv_heads_by_layer(resolve_shape(info)) == (2, 2, 4, 4)
+    assert kv_heads_by_layer(resolve_shape(info, kv_heads=8, layers=6)) == (8,) * 6
     with pytest.raises(InfernoError, match="also needs --kv-heads"):
         resolve_shape(info, layers=6)
 
@@ -616,10 +658,10 @@ def test_vllm_block_count_reproduces_a_published_log(memory_gib, blocks, context
 
 def test_kv_heads_split_across_tp_ranks_and_replicate_when_fewer_than_ranks():
     shape = kv_shape(layers=2, kv_heads=8, head_dim=128, heads=64)
-    assert device_shape(shape, 4, range(2)).kv_heads == (2, 2)
-    assert device_shape(shape, 16, range(2)).kv_heads == (1, 1)  # 16 ranks share 8 heads: each holds one
+    assert kv_heads_by_layer(device_shape(shape, 4, range(2))) == (2, 2)
+    assert kv_heads_by_layer(device_shape(shape, 16, range(2))) == (1, 1)  # 16 ranks share 8 heads: one each
     mqa = kv_shape(layers=2, kv_heads=1, head_dim=128, heads=8)
-    assert device_shape(mqa, 8, range(2)).kv_heads == (1, 1)
+    assert kv_heads_by_layer(device_shape(mqa, 8, range(2))) == (1, 1)
     for tp in (3, 128):
         with pytest.raises(InfernoError, match="64 attention heads"):
             device_shape(shape, tp, range(2))

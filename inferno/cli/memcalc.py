@@ -13,12 +13,14 @@ from rich.text import Text
 
 from inferno.cli.common import console, run, script, version_option
 from inferno.errors import InfernoError
+from inferno.file.hparams import MAX_LAYERS
 from inferno.plan.deploy import devices
 from inferno.plan.hf_config import read_hf_config
 from inferno.plan.memcalc import (
     DTYPES,
-    MAX_LAYERS,
     default_contexts,
+    heads_by_layer,
+    kv_heads_by_layer,
     parse_contexts,
     parse_size,
     resolve_shape,
@@ -205,8 +207,8 @@ def command(
     kv_type = DTYPES[dtype.lower()]
     # Query heads from a file are worth comparing only when the model actually groups them;
     # MLA's one latent row is not K and V per head, so the comparison does not apply to it.
-    grouped = heads is not None or shape.heads != shape.kv_heads
-    show_mha = not shape.mla and shape.heads is not None and grouped
+    grouped = heads is not None or heads_by_layer(shape) != kv_heads_by_layer(shape)
+    show_mha = not shape.mla and shape.heads > 0 and grouped  # 0: query heads not known
     report = build_report(shape, kv_type, context_list, batch, budget_bytes, show_mha)
     if kv_kind is not None or kv_dtype is not None:
         runtime_bytes(report, model_path, kv_kind or "prealloc", kv_dtype or "f32", sliding_window)

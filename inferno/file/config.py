@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from gguf import GGUFReader
 
 from inferno.errors import InfernoError
+from inferno.file.hparams import read_model_info
 from inferno.file.reader import architecture, metadata
 from inferno.kv.geometry import KVGeometry
 
@@ -23,9 +24,8 @@ ARCHITECTURES = {
     "gemma3": dict(rope_neox=True, qkv_bias=False, qk_norm=True),
 }
 
-# What a gemma3 file does not say and llama.cpp and transformers both assume: every sixth layer is
-# global, the others see a sliding window, and the sliding layers rotate with RoPE base 10000.
-GEMMA3_GLOBAL_EVERY = 6
+# What a gemma3 file does not say and llama.cpp and transformers both assume: the sliding layers (every
+# sixth is global: `inferno.file.hparams`) rotate with RoPE base 10000.
 GEMMA3_SLIDING_ROPE_BASE = 10000.0
 
 
@@ -89,9 +89,11 @@ class ModelConfig:
             return found
 
         def count(key: str, default: int | None = None, derived: str = "") -> int:
+            return size(key, value(key, int), default, derived)
+
+        def size(key: str, n: int | None, default: int | None = None, derived: str = "") -> int:
             """A size: a whole number of at least 1, so no later division or shape can be empty.
             Absent, it is `default` (described by `derived`); with no default it is required."""
-            n = value(key, int)
             if n is None and default is None:
                 raise InfernoError(f"GGUF metadata is missing {arch}.{key}")
             if n is None:
@@ -100,13 +102,23 @@ class ModelConfig:
                 raise InfernoError(f"GGUF metadata {arch}.{key} is {n}, must be at least 1")
             return n
 
+        def one(key: str, per_layer: tuple[int, ...] | None) -> int | None:
+            """The one count every layer has: inferno runs models whose layers all have the same heads."""
+            if per_layer is not None and len(set(per_layer)) > 1:
+                raise InfernoError(f"GGUF metadata {arch}.{key} differs between layers ({min(per_layer)} to "
+                                   f"{max(per_layer)}): inferno runs models whose layers all match")
+            return None if per_layer is None else per_layer[0]
+
+        # The attention's keys, read as kv-memcalc reads them; what follows refuses what inferno cannot run.
+        info = read_model_info(reader)
         hidden = count("embedding_length")
-        n_heads = count("attention.head_count")
-        if value("attention.key_length", int) is None and hidden % n_heads:
+        n_heads = size("attention.head_count", one("attention.head_count", info.heads))
+        n_kv_heads = size("attention.head_count_kv", one("attention.head_count_kv", info.kv_heads))
+        if info.head_dim is None:
             raise InfernoError(f"{arch}.embedding_length {hidden} does not split into {n_heads} heads "
                                f"(and there is no {arch}.attention.key_length)")
-        head_dim = count("attention.key_length", hidden // n_heads, "embedding_length / head_count")
-        if value("attention.value_length", int, head_dim) != head_dim:
+        head_dim = size("attention.key_length", info.head_dim)
+        if info.value_dim is not None:
             raise InfernoError(f"{arch}.attention.value_length differs from the key length {head_dim}")
         scaling = value("rope.scaling.type", str, "none")
         if scaling != "none":
@@ -114,18 +126,20 @@ class ModelConfig:
         tensors = {t.name: t for t in reader.tensors}
         embedding = tensors.get("token_embd.weight")
         vocab_rows = int(embedding.shape[-1]) if embedding is not None else None
-        n_layers = count("block_count")
+        n_layers = info.layers
         if n_layers > len(reader.tensors):  # every layer has tensors; per-layer tuples follow from this count
             raise InfernoError(f"GGUF metadata says {n_layers} layers but the file has only "
                                f"{len(reader.tensors)} tensors")
         rope_base = value("rope.freq_base", float, 10000.0)
-        window = count("attention.sliding_window") if arch == "gemma3" else 0
-        extra = _gemma3(n_layers, hidden, rope_base, window) if arch == "gemma3" else {}
+        if arch == "gemma3" and not info.window:
+            raise InfernoError(f"GGUF metadata {arch}.attention.sliding_window is missing or 0")
+        sliding = info.sliding or frozenset()  # gemma3 always has a pattern (ARCH_SWA_PERIOD)
+        extra = _gemma3(n_layers, hidden, rope_base, info.window, sliding) if arch == "gemma3" else {}
         return cls(
             architecture=arch,
             n_layers=n_layers,
             n_heads=n_heads,
-            n_kv_heads=count("attention.head_count_kv", n_heads, "head_count"),
+            n_kv_heads=n_kv_heads,
             head_dim=head_dim,
             hidden_size=hidden,
             ffn_size=count("feed_forward_length"),
@@ -133,7 +147,7 @@ class ModelConfig:
             rope_base=rope_base,
             rope_dim=count("rope.dimension_count", head_dim, "key_length"),
             rms_eps=need("attention.layer_norm_rms_epsilon", float),
-            context_length=count("context_length"),
+            context_length=size("context_length", info.context_length),
             tied_embeddings="output.weight" not in tensors,
             bos_id=metadata(reader, "tokenizer.ggml.bos_token_id", kind=int),
             eos_id=metadata(reader, "tokenizer.ggml.eos_token_id", kind=int),
@@ -142,9 +156,9 @@ class ModelConfig:
         )
 
 
-def _gemma3(n_layers: int, hidden: int, rope_base: float, window: int) -> dict:
-    """gemma3's fields beyond plain llama: layers 5, 11, 17, ... global, the rest local."""
-    is_global = [(i + 1) % GEMMA3_GLOBAL_EVERY == 0 for i in range(n_layers)]
+def _gemma3(n_layers: int, hidden: int, rope_base: float, window: int, sliding: frozenset[int]) -> dict:
+    """gemma3's fields beyond plain llama: its sliding layers (5, 11, 17, ... are global) and their RoPE."""
+    is_global = [i not in sliding for i in range(n_layers)]
     return dict(
         layer_windows=tuple(None if g else window for g in is_global),
         layer_rope_bases=tuple(rope_base if g else GEMMA3_SLIDING_ROPE_BASE for g in is_global),

@@ -9,12 +9,21 @@ device's layers, as paged engines allocate it. Pure arithmetic, like `inferno.pl
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from inferno.errors import InfernoError
+from inferno.kv.dtypes import ElementType
+from inferno.kv.geometry import KVGeometry
 from inferno.plan.hf_config import Weights
-from inferno.plan.memcalc import DType, KVShape, bytes_per_token, max_batch, max_context, parse_size
+from inferno.plan.memcalc import (
+    bytes_per_token,
+    heads_by_layer,
+    kv_heads_by_layer,
+    max_batch,
+    max_context,
+    parse_size,
+)
 
 # Engine spellings of the KV dtypes each supports; f16/bf16 are the engines' default ("auto": the
 # model's own 16-bit type), so they need no flag.
@@ -99,18 +108,18 @@ def pp_stages(layers: int, pp: int) -> list[range]:
     return [range(start, start + size) for start, size in zip(starts, sizes, strict=True)]
 
 
-def device_shape(shape: KVShape, tp: int, layers: range) -> KVShape:
+def device_shape(shape: KVGeometry, tp: int, layers: range) -> KVGeometry:
     """The cache one TP rank of one stage holds.
 
     KV heads are divided across ranks, and replicated when there are fewer KV heads than ranks
     (vLLM's ModelConfig.get_num_kv_heads: max(1, total // tp)); MLA's latent is one row every rank
     keeps whole (get_num_kv_heads returns 1 under use_mla).
     """
+    all_kv, all_heads = kv_heads_by_layer(shape), heads_by_layer(shape)
     kv_heads = []
     for i in layers:
-        kv = shape.kv_heads[i]
-        heads = shape.heads[i] if shape.heads else None
-        if heads is not None and heads % tp:
+        kv, heads = all_kv[i], all_heads[i]
+        if heads and heads % tp:  # 0: query heads not known
             raise InfernoError(f"--tp {tp} does not divide the model's {heads} attention heads")
         if shape.mla or kv == 0:
             kv_heads.append(kv)
@@ -122,10 +131,10 @@ def device_shape(shape: KVShape, tp: int, layers: range) -> KVShape:
             if tp % kv:
                 raise InfernoError(f"--tp {tp} is not a multiple of the model's {kv} KV heads")
             kv_heads.append(1)
-    heads = tuple(shape.heads[i] // tp for i in layers) if shape.heads else None
-    sliding = frozenset(i - layers.start for i in shape.sliding if i in layers)
-    return replace(shape, kv_heads=tuple(kv_heads), heads=heads, sliding=sliding,
-                   window=shape.window if sliding else None)  # fmt: skip
+    heads = tuple(all_heads[i] // tp for i in layers)
+    windows = shape.windows[layers.start : layers.stop]
+    return KVGeometry(len(layers), max(kv_heads), max(heads), shape.head_dim, windows, tuple(kv_heads), heads,
+                      shape.mla)
 
 
 def stage_weight_bytes(weights: Weights, layers: range, first: bool, last: bool, tp: int) -> int:
@@ -155,7 +164,7 @@ class StagePlan:
 
 
 def plan_stages(
-    shape: KVShape, dtype: DType, weights: Weights, dev: Devices, context: int
+    shape: KVGeometry, dtype: ElementType, weights: Weights, dev: Devices, context: int
 ) -> list[StagePlan]:
     stages = pp_stages(shape.layers, dev.pp)
     plans = []
@@ -184,7 +193,7 @@ def limiting(stages: list[StagePlan]) -> StagePlan:
 
 
 def engine_plans(
-    shape: KVShape, dtype: DType, dev: Devices, stage: StagePlan, context: int, model: str, gguf: str
+    shape: KVGeometry, dtype: ElementType, dev: Devices, stage: StagePlan, context: int, model: str, gguf: str
 ) -> dict[str, dict[str, Any]]:
     """Flags for each engine, and what each would report for them (None where it does not apply)."""
     plans: dict[str, dict[str, Any]] = {}

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from inferno.errors import InfernoError
-from inferno.plan.memcalc import ARCH_SWA_PERIOD, MAX_LAYERS, ModelInfo, pattern_layers
+from inferno.file.hparams import ARCH_SWA_PERIOD, MAX_LAYERS, ModelInfo, pattern_layers
 
 MAX_CONFIG_BYTES = 16 * 2**20  # a config.json is a few KiB
 MAX_COUNT = 2**53  # past any real count, and where JSON numbers stop being exact

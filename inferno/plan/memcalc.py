@@ -13,67 +13,28 @@ blocks, so nothing is rounded.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable, Sequence
 
 from inferno.errors import InfernoError
+from inferno.file.hparams import ModelInfo, pattern_layers
+from inferno.kv.dtypes import ELEMENT_TYPES, ElementType
+from inferno.kv.geometry import KVGeometry
 
-
-@dataclass(frozen=True)
-class DType:
-    name: str
-    block_values: int  # values stored together (1 for plain floats)
-    block_bytes: int  # bytes per block, scales included
-
-
-DTYPES: dict[str, DType] = {
-    d.name: d
-    for d in (
-        DType("f32", 1, 4),
-        DType("f16", 1, 2),
-        DType("bf16", 1, 2),
-        DType("fp8", 1, 1),
-        DType("q8_0", 32, 34),  # 32 int8 values + one f16 scale
-        DType("q4_0", 32, 18),  # 32 4-bit values + one f16 scale
-    )
+# --dtype: the element types the engines a deployment is planned for store (inferno's rotated and
+# grouped variants of q8_0 and q4_0 are its own: `--kv-dtype` sizes those exactly).
+DTYPES: dict[str, ElementType] = {
+    name: ELEMENT_TYPES[name] for name in ("f32", "f16", "bf16", "fp8", "q8_0", "q4_0")
 }
 
-# Which layers slide, by architecture, as llama.cpp's set_swa_pattern(n) decides when the file
-# does not say: in every group of n layers the last one is global, the others sliding.
-ARCH_SWA_PERIOD = {"gemma2": 2, "gemma3": 6}
 
-
-def row_bytes(values: int, dtype: DType) -> int:
+def row_bytes(values: int, dtype: ElementType) -> int:
     """Bytes for one token's keys (or values) in one layer, `values` = kv_heads x head_dim."""
-    blocks, rest = divmod(values, dtype.block_values)
-    if rest:
+    if values % dtype.block_values:
         raise InfernoError(
             f"{dtype.name} stores blocks of {dtype.block_values} values, but a row of KV heads x head dim "
             f"has {values}; pick another --dtype"
         )
-    return blocks * dtype.block_bytes
-
-
-@dataclass(frozen=True)
-class KVShape:
-    """What decides a KV cache's size. Build it with `kv_shape`, which validates."""
-
-    kv_heads: tuple[int, ...]  # per layer; 0 means the layer keeps no KV cache
-    head_dim: int
-    heads: tuple[int, ...] | None = None  # query heads per layer, for the multi-head comparison
-    window: int | None = None
-    sliding: frozenset[int] = frozenset()  # layers holding at most `window` tokens
-    mla: bool = False  # one latent row of head_dim values per token and layer, no separate V
-
-    @property
-    def layers(self) -> int:
-        return len(self.kv_heads)
-
-    @property
-    def rows(self) -> int:
-        """Rows a token adds to a layer: K and V, or MLA's single latent."""
-        return 1 if self.mla else 2
+    return dtype.blocks_bytes(values)
 
 
 def kv_shape(
@@ -84,8 +45,11 @@ def kv_shape(
     window: int | None = None,
     sliding: Iterable[int] = (),
     mla: bool = False,
-) -> KVShape:
-    """A validated KVShape; scalar head counts apply to every layer."""
+) -> KVGeometry:
+    """A validated geometry; scalar head counts apply to every layer, and heads=None (not known) is 0.
+
+    `sliding` layers hold at most `window` tokens; the others the whole context.
+    """
     _require_positive("layers", layers)
     _require_positive("head dim", head_dim)
     kv = _per_layer("KV heads", kv_heads, layers)
@@ -98,13 +62,16 @@ def kv_shape(
             where = "" if uniform else f" in layer {i}"
             raise InfernoError(f"query heads ({h}) are not a multiple of KV heads ({k}){where}")
     sliding = frozenset(sliding)
+    windows: tuple[int | None, ...] = ()
     if sliding:
         if window is None:
             raise InfernoError("sliding-window layers need a window size (--sliding-window)")
         _require_positive("sliding window", window)
         if max(sliding) >= layers:
             raise InfernoError(f"sliding layer {max(sliding)} does not exist: the model has {layers} layers")
-    return KVShape(kv, head_dim, q, window if sliding else None, sliding, mla)
+        windows = tuple(window if i in sliding else None for i in range(layers))
+    q = q or (0,) * layers
+    return KVGeometry(layers, max(kv), max(q), head_dim, windows, kv, q, mla)
 
 
 def _require_positive(what: str, value: int) -> None:
@@ -124,53 +91,73 @@ def _per_layer(what: str, value: int | Sequence[int], layers: int) -> tuple[int,
     return values
 
 
-def layer_token_bytes(shape: KVShape, dtype: DType, mha: bool = False) -> list[int]:
+def kv_heads_by_layer(shape: KVGeometry) -> tuple[int, ...]:
+    return shape.layer_kv_heads or (shape.kv_heads,) * shape.layers
+
+
+def heads_by_layer(shape: KVGeometry) -> tuple[int, ...]:
+    """Query heads per layer; all 0 when not known."""
+    return shape.layer_heads or (shape.heads,) * shape.layers
+
+
+def sliding_indices(shape: KVGeometry) -> list[int]:
+    """The layers that hold at most their window."""
+    return [i for i, window in enumerate(shape.windows) if window is not None]
+
+
+def longest_window(shape: KVGeometry) -> int:
+    """The most tokens a sliding layer holds (`kv_shape` gives them all one window); 0 when none slides."""
+    return max((w for w in shape.windows if w is not None), default=0)
+
+
+def layer_token_bytes(shape: KVGeometry, dtype: ElementType, mha: bool = False) -> list[int]:
     """Bytes one token adds to each layer (its K row plus its V row, or its MLA latent).
 
     `mha` counts a K and V head per query head instead, in the layers that keep a cache at all.
     """
-    heads = shape.kv_heads
+    heads = kv_heads_by_layer(shape)
     if mha and shape.heads:
-        heads = tuple(q if kv else 0 for q, kv in zip(shape.heads, shape.kv_heads, strict=True))
+        heads = tuple(q if kv else 0 for q, kv in zip(heads_by_layer(shape), heads, strict=True))
     return [shape.rows * row_bytes(h * shape.head_dim, dtype) for h in heads]
 
 
-def bytes_per_token(shape: KVShape, dtype: DType, mha: bool = False) -> int:
+def bytes_per_token(shape: KVGeometry, dtype: ElementType, mha: bool = False) -> int:
     """Bytes one token adds across all layers while every layer still holds it."""
     return sum(layer_token_bytes(shape, dtype, mha))
 
 
-def bytes_per_token_beyond_window(shape: KVShape, dtype: DType) -> int:
+def bytes_per_token_beyond_window(shape: KVGeometry, dtype: ElementType) -> int:
     """Bytes one more token adds once the sliding layers are full: only the full-attention layers grow."""
     per_layer = layer_token_bytes(shape, dtype)
-    return sum(b for i, b in enumerate(per_layer) if i not in shape.sliding)
+    return sum(b for i, b in enumerate(per_layer) if shape.window(i) is None)
 
 
-def tokens_held(shape: KVShape, layer: int, context: int) -> int:
-    if layer in shape.sliding:
-        return min(context, shape.window)
-    return context
+def tokens_held(shape: KVGeometry, layer: int, context: int) -> int:
+    window = shape.window(layer)
+    return context if window is None else min(context, window)
 
 
-def cache_bytes(shape: KVShape, dtype: DType, context: int, batch: int = 1, mha: bool = False) -> int:
+def cache_bytes(
+    shape: KVGeometry, dtype: ElementType, context: int, batch: int = 1, mha: bool = False
+) -> int:
     """The whole KV cache for `batch` sequences of `context` tokens."""
     per_layer = layer_token_bytes(shape, dtype, mha)
     return batch * sum(b * tokens_held(shape, i, context) for i, b in enumerate(per_layer))
 
 
-def max_batch(shape: KVShape, dtype: DType, budget: int, context: int) -> int:
+def max_batch(shape: KVGeometry, dtype: ElementType, budget: int, context: int) -> int:
     """Most sequences of `context` tokens whose cache fits in `budget` bytes (0 if not even one)."""
     return budget // cache_bytes(shape, dtype, context)
 
 
-def max_context(shape: KVShape, dtype: DType, budget: int, batch: int) -> int | None:
+def max_context(shape: KVGeometry, dtype: ElementType, budget: int, batch: int) -> int | None:
     """Longest context whose cache for `batch` sequences fits in `budget` bytes.
 
     None means no limit: every layer with a cache slides, and the full windows already fit.
     """
     if (
         bytes_per_token_beyond_window(shape, dtype) == 0
-        and cache_bytes(shape, dtype, shape.window, batch) <= budget
+        and cache_bytes(shape, dtype, longest_window(shape), batch) <= budget
     ):
         return None
     # Up to the answer every token adds at least one byte, so the answer is at most `budget`.
@@ -272,15 +259,6 @@ def parse_layers(spec: str, layers: int) -> frozenset[int]:
     return frozenset(chosen)
 
 
-def pattern_layers(layers: int, period: int) -> frozenset[int]:
-    """Sliding layers when, in every group of `period` layers, the last is global (Gemma 3: period 6).
-
-    Period 1 makes every layer global. This matches llama.cpp's set_swa_pattern(period).
-    """
-    _require_positive("sliding pattern", period)
-    return frozenset(i for i in range(layers) if i % period < period - 1)
-
-
 def default_contexts(limit: int | None = None) -> list[int]:
     """2k, 4k, ... up to 128k, or up to a model's context length plus that length itself."""
     top = 128 * 1024 if limit is None else limit
@@ -294,84 +272,6 @@ def default_contexts(limit: int | None = None) -> list[int]:
     return contexts
 
 
-# --- what a GGUF file's metadata says ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    arch: str
-    layers: int
-    kv_heads: tuple[int, ...]
-    heads: tuple[int, ...] | None
-    head_dim: int | None
-    context_length: int | None
-    window: int | None
-    sliding: frozenset[int] | None  # None: the file has no window, or does not say which layers use it
-    mla: bool = False  # head_dim is then the width of the latent row (kv_lora_rank + RoPE dims)
-
-
-MAX_LAYERS = 100_000  # far more than any model has; layers are counted one by one
-
-
-def model_info(get: Callable[[str], Any]) -> ModelInfo:
-    """Read the KV-relevant hyperparameters; `get(key)` returns a metadata value or None."""
-    arch = get("general.architecture")
-    if not isinstance(arch, str):
-        raise InfernoError("GGUF metadata has no general.architecture")
-
-    def key(name: str) -> Any:
-        return get(f"{arch}.{name}")
-
-    layers = key("block_count")
-    if not isinstance(layers, int) or not 1 <= layers <= MAX_LAYERS:
-        raise InfernoError(f"GGUF metadata has no usable {arch}.block_count (1 to {MAX_LAYERS:,})")
-    heads = _layer_values(key("attention.head_count"), layers, f"{arch}.attention.head_count")
-    # llama.cpp's rule: without head_count_kv the model has as many KV heads as query heads.
-    kv_heads = (
-        _layer_values(key("attention.head_count_kv"), layers, f"{arch}.attention.head_count_kv") or heads
-    )
-    if kv_heads is None:
-        raise InfernoError(f"GGUF metadata has neither {arch}.attention.head_count_kv nor head_count")
-
-    head_dim = key("attention.key_length")
-    if head_dim is None and heads and heads[0] and isinstance(key("embedding_length"), int):
-        embedding, first = key("embedding_length"), heads[0]
-        if embedding % first == 0:
-            head_dim = embedding // first
-    value_dim = key("attention.value_length")
-    if value_dim is not None and value_dim != head_dim:
-        head_dim = None  # K and V rows differ in width; resolve_shape asks for --head-dim
-
-    window = key("attention.sliding_window") or None
-    if window is not None and not isinstance(window, int):
-        raise InfernoError(f"GGUF metadata {arch}.attention.sliding_window is not one integer: {window!r}")
-    sliding = None
-    if window:
-        pattern = key("attention.sliding_window_pattern")
-        if isinstance(pattern, list):
-            if len(pattern) != layers:
-                raise InfernoError(
-                    f"{arch}.attention.sliding_window_pattern has {len(pattern)} entries for {layers} layers"
-                )
-            sliding = frozenset(i for i, slides in enumerate(pattern) if slides)
-        elif isinstance(pattern, int):
-            # llama.cpp reads a period of 0 as "every layer slides".
-            sliding = frozenset(range(layers)) if pattern == 0 else pattern_layers(layers, pattern)
-        elif arch in ARCH_SWA_PERIOD:
-            sliding = pattern_layers(layers, ARCH_SWA_PERIOD[arch])
-    return ModelInfo(arch, layers, kv_heads, heads, head_dim, key("context_length"), window, sliding)
-
-
-def _layer_values(value: Any, layers: int, key: str) -> tuple[int, ...] | None:
-    if value is None:
-        return None
-    if isinstance(value, int):
-        return (value,) * layers
-    if isinstance(value, list) and len(value) == layers and all(isinstance(v, int) for v in value):
-        return tuple(value)
-    raise InfernoError(f"GGUF metadata {key} is neither an integer nor one per layer: {value!r}")
-
-
 def resolve_shape(
     model: ModelInfo | None,
     *,
@@ -382,7 +282,7 @@ def resolve_shape(
     window: int | None = None,
     sliding_layers: str | None = None,
     sliding_pattern: int | None = None,
-) -> KVShape:
+) -> KVGeometry:
     """Flags where given, else what the model file says, else defaults (head_dim 128)."""
     if layers is None:
         if model is None:
@@ -395,7 +295,7 @@ def resolve_shape(
     if q is None and model is not None and model.heads is not None:
         q = _fit_layers(model.heads, layers, "--heads")
     if head_dim is None and model is not None:
-        if model.head_dim is None:
+        if model.head_dim is None or model.value_dim is not None:
             raise InfernoError("the model's metadata gives no single head size (key_length); pass --head-dim")
         head_dim = model.head_dim
     if head_dim is None:

@@ -8,20 +8,26 @@ from dataclasses import replace
 from typing import Any
 
 from inferno.errors import InfernoError
+from inferno.file.config import ModelConfig
+from inferno.file.hparams import ModelInfo, read_model_info
+from inferno.file.reader import open_gguf
+from inferno.kv import cache_class, planned_nbytes
+from inferno.kv.dtypes import ElementType
+from inferno.kv.geometry import KVGeometry
 from inferno.plan.deploy import Devices, engine_plans, limiting, plan_stages
 from inferno.plan.hf_config import HFModel, Weights
 from inferno.plan.memcalc import (
-    DType,
-    KVShape,
-    ModelInfo,
     bytes_per_token,
     bytes_per_token_beyond_window,
     cache_bytes,
+    heads_by_layer,
+    kv_heads_by_layer,
     layer_token_bytes,
+    longest_window,
     max_batch,
     max_context,
-    model_info,
     parse_size,
+    sliding_indices,
 )
 
 BINARY = (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
@@ -37,19 +43,9 @@ def human(n: int, units: tuple[tuple[str, int], ...] = BINARY) -> str:
 
 
 def read_model(path: str) -> tuple[ModelInfo, Weights]:
-    # Imported here so sizing by flags alone starts without loading the GGUF reader.
-    from inferno.file.reader import metadata, open_gguf
-
+    """What a GGUF's metadata says of the attention, as `ModelConfig` reads it, and its tensors' bytes."""
     reader = open_gguf(path)
-
-    def get(key: str) -> Any:
-        # Every key model_info reads is a count (or one per layer) but the architecture's name.
-        value = metadata(reader, key)
-        if isinstance(value, (str, float)) and key != "general.architecture":
-            raise InfernoError(f"GGUF metadata {key} should be an integer, not {value!r}"[:160])
-        return value
-
-    info = model_info(get)
+    info = read_model_info(reader)
     return info, gguf_weights(reader, info.layers)
 
 
@@ -101,7 +97,7 @@ def deployment_weights(
 
 
 def build_deployment(
-    shape: KVShape, dtype: DType, weights: Weights, dev: Devices, context: int, gguf: str | None,
+    shape: KVGeometry, dtype: ElementType, weights: Weights, dev: Devices, context: int, gguf: str | None,
     model_context: int | None = None,
 ) -> dict[str, Any]:
     stages = plan_stages(shape, dtype, weights, dev, context)
@@ -147,8 +143,8 @@ def build_deployment(
 
 
 def build_report(
-    shape: KVShape,
-    dtype: DType,
+    shape: KVGeometry,
+    dtype: ElementType,
     contexts: list[int],
     batch: int,
     budget: int | None,
@@ -158,7 +154,7 @@ def build_report(
     per_layer = layer_token_bytes(shape, dtype)
     report: dict[str, Any] = {
         "layers": shape.layers,
-        "kv_heads": _scalar(shape.kv_heads),
+        "kv_heads": _scalar(kv_heads_by_layer(shape)),
         "head_dim": shape.head_dim,
         "dtype": dtype.name,
         "batch": batch,
@@ -168,11 +164,11 @@ def build_report(
     if shape.mla:
         report["mla"] = True
     if shape.sliding:
-        report["sliding_window"] = shape.window
-        report["sliding_layers"] = sorted(shape.sliding)
+        report["sliding_window"] = longest_window(shape)
+        report["sliding_layers"] = sliding_indices(shape)
         report["bytes_per_token_beyond_window"] = bytes_per_token_beyond_window(shape, dtype)
     if show_mha:
-        report["heads"] = _scalar(shape.heads)
+        report["heads"] = _scalar(heads_by_layer(shape))
         report["mha_bytes_per_token"] = bytes_per_token(shape, dtype, mha=True)
     rows = []
     for context in contexts:
@@ -198,10 +194,6 @@ def runtime_bytes(
     """Replace the report's bytes with what `model-generate --kv kind --kv-dtype dtype --max-context N`
     (and `--window W` for --kv window: `--sliding-window W` here) allocates for this model: the cache's
     own planned_nbytes, so the two always agree."""
-    from inferno.file.config import ModelConfig
-    from inferno.file.reader import open_gguf
-    from inferno.kv import cache_class, planned_nbytes
-
     if model_path is None:
         raise InfernoError("--kv and --kv-dtype size inferno's cache of a model: give --model FILE.gguf")
     geometry = ModelConfig.from_gguf(open_gguf(model_path)).kv_geometry
