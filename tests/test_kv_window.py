@@ -280,7 +280,7 @@ def test_stored_rows_move_between_window_caches_as_they_are_stored(dtype):
 @pytest.mark.parametrize("dtype", ["q4_kivi", "q4_recent"])
 def test_element_types_that_group_positions_are_refused_in_one_line(dtype):
     held = "f32, f16, q8_0, q8_0h, q4_0, q4_0h"
-    message = rf"a window cache holds {held} rows, not {dtype}: .*prealloc holds it"
+    message = rf"a window cache holds {held} rows, not {dtype}: .*prealloc and paged hold it"
     for make in (make_cache, planned_nbytes):
         with pytest.raises(InfernoError, match=message) as refused:
             make("window", BLOCKS, 64, dtype, window=8)

@@ -15,8 +15,10 @@ PROMPT = "The capital of France is Paris. The capital of Italy is"
 PROMPTS = ["Once upon a time", "The best way to learn a language is", "def fibonacci(n):",
            "In 1969, the first humans"]
 ROW_TYPES = ("f32", "f16", "q8_0", "q8_0h", "q4_0", "q4_0h")
-# every (layout, element type) pair a layout holds: basic f32 only; window and paged the row types
-PAIRS = [("basic", "f32")] + [(kind, d) for kind in ("window", "paged") for d in ROW_TYPES]
+GROUPED = ("q4_recent", "q4_kivi")  # state across positions: a ring and key means, key groups
+# every (layout, element type) pair a layout holds: basic f32 only; window the row types; paged all
+PAIRS = ([("basic", "f32")] + [("window", d) for d in ROW_TYPES]
+         + [("paged", d) for d in ROW_TYPES + GROUPED])
 
 
 def greedy(engine, ids: list[int], kv: str, dtype: str = "f32", **options) -> list[int]:
@@ -141,3 +143,26 @@ def test_gemma_samples_hold_the_prompt_once_and_sliding_layers_only_their_window
     assert sum(scheduler.get(r).metrics.reused_tokens for r in rids) >= 7 * (len(ids) // size - 1) * size
     assert len({tuple(scheduler.get(r).token_ids) for r in rids}) == 1
     assert np.all(pool.refs == 0)
+
+
+@pytest.mark.parametrize("dtype", GROUPED)
+def test_grouped_types_in_a_pool_generate_what_prealloc_generates_past_their_groups(engine, gemma_engine,
+                                                                                   dtype):
+    """Prompts of 170 and 200 tokens (q4_kivi closes key groups of 64, q4_recent takes key means out
+    past its first segment of 128 and its ring), three requests in one pool, two of them one prompt:
+    each generates what prealloc of its element type generates alone. q4_kivi's second sample adopts
+    the first's whole key groups; q4_recent adopts nothing (no block holds its ring's q8_0 rows)."""
+    for model in (engine, gemma_engine):
+        first = (model.tokenizer.encode(" ".join(PROMPTS) + " ") * 20)[:200]
+        second = (model.tokenizer.encode(PROMPT + " ") * 20)[:170]
+        want = [greedy(model, ids, "prealloc", dtype) for ids in (first, second)]
+        scheduler = model.scheduler("paged", kv_dtype=dtype, max_batch=3)
+        rids = [scheduler.add(Request(ids, NEW, ignore_eos=True)) for ids in (first, second, first)]
+        while scheduler.has_work:
+            for event in scheduler.step():
+                assert event.error is None
+        done = [scheduler.pop(rid) for rid in rids]
+        assert [g.token_ids for g in done] == [want[0], want[1], want[0]], model.path
+        reused = done[2].metrics.reused_tokens
+        assert reused == (192 if dtype == "q4_kivi" else 0), model.path  # 3 groups of 64: 192 of 200
+        assert np.all(scheduler.pool.refs == 0)

@@ -67,7 +67,8 @@ class KVCache(ABC):
         if dtype not in cls.dtypes:
             element_type(dtype)  # an unknown name gets the list of every element type
             raise InfernoError(
-                f"a {cls.kind} cache holds {', '.join(cls.dtypes)} rows, not {dtype} (prealloc holds any)"
+                f"a {cls.kind} cache holds {', '.join(cls.dtypes)} rows, not {dtype} "
+                "(prealloc and paged hold any)"
             )
         return element_type(dtype)
 

@@ -83,8 +83,9 @@ class PagedBatch(CacheBatch):
 
 
 def batch_of(caches: Sequence[KVCache]) -> CacheBatch:
-    """The batch for these caches: paged sequences of one pool decode as one; others one by one."""
+    """The batch for these caches: paged sequences of one pool decode as one; others one by one (and
+    those of a pool of q4_recent or q4_kivi, whose rows are written and read with the sequence's state)."""
     pools = {id(c.pool) for c in caches if isinstance(c, PagedKVCache)}
-    if len(pools) == 1 and all(isinstance(c, PagedKVCache) for c in caches):
+    if len(pools) == 1 and all(isinstance(c, PagedKVCache) for c in caches) and not caches[0].pool.grouped:
         return PagedBatch(caches)  # type: ignore[arg-type]
     return CacheBatch(caches)

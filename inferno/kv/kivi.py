@@ -11,6 +11,12 @@ are the most exact.
 
 Attention reads the groups directly: a key group's scores are sum_c q_c (m_c + d_c n_cs) =
 sum_c q_c m_c + sum_c (q_c d_c) n_cs, a vectorized pass over the group's 4-bit codes per channel.
+
+Where rows live is the layout's: a group's key record is cut into one piece per position (`key_row_bytes`),
+so key and value rows sit wherever a layout keeps a position's rows, found through a block table as
+`blocks.attend_tables` finds them (prealloc: one block; paged: the pool's blocks). The open group is the
+sequence's own (`KiviState`). A query over a sliding window leaves out the positions of its first group
+that fall before the window.
 """
 
 from __future__ import annotations
@@ -20,7 +26,6 @@ import math
 import numpy as np
 from numba import prange
 
-from inferno.errors import InfernoError
 from inferno.kernels.attention import attend_span, combine_spans, softmax_span
 from inferno.kernels.jit import njit
 from inferno.kv.blocks import (
@@ -30,8 +35,9 @@ from inferno.kv.blocks import (
     encode_rows,
     float_to_half,
     hadamard_rows,
+    half_at,
     half_to_float,
-    mix_rows,
+    mix_rows_at,
 )
 from inferno.kv.geometry import KVGeometry
 from inferno.kv.memory import lazy_zeros
@@ -45,12 +51,46 @@ def value_row_bytes(geometry: KVGeometry) -> int:
     return geometry.kv_width // VALUE_ROW_BLOCK[0] * VALUE_ROW_BLOCK[1]
 
 
+def key_row_bytes(geometry: KVGeometry) -> int:
+    """A group's key record (codes [w, HALF], then the f16 scale [w] and minimum [w] of each channel) is
+    GROUP key rows of this many bytes: position p's row is the p % GROUP-th piece of its group's record, so
+    a layout stores key rows where it stores any row (a paged pool's blocks) and a group is its rows read
+    in order. w is a multiple of 32 (q4_0 values), so the record divides into GROUP rows."""
+    return geometry.kv_width * (HALF + 4) // GROUP
+
+
 def planned_nbytes(geometry: KVGeometry, capacity: int) -> int:
     """Bytes of a q4_kivi store for `capacity` tokens: every whole group, and the open group in f16."""
-    groups, w = capacity // GROUP, geometry.kv_width
-    per_group = w * (HALF + 4) + GROUP * value_row_bytes(geometry)  # key codes, scale, minimum; values
-    open_group = 2 * GROUP * w * 2
-    return geometry.layers * (groups * per_group + open_group)
+    groups = capacity // GROUP
+    per_group = GROUP * (key_row_bytes(geometry) + value_row_bytes(geometry))  # key record; values
+    return geometry.layers * groups * per_group + sequence_nbytes(geometry)
+
+
+def sequence_nbytes(geometry: KVGeometry) -> int:
+    """Bytes of the open group a sequence keeps in f16 besides its rows (`KiviState`)."""
+    return geometry.layers * 2 * GROUP * geometry.kv_width * 2
+
+
+@njit(cache=True)
+def row_of(table: np.ndarray, block_size: int, p: int) -> int:
+    """The row of position p: row table[p // block_size] * block_size + p % block_size of the rows
+    (prealloc: one block holding them all; paged: the pool's blocks, blocks.attend_tables' addressing)."""
+    index = p // block_size
+    return np.int64(table[index]) * block_size + p - index * block_size
+
+
+def rows_of(table: np.ndarray, block_size: int, p0: int, p1: int) -> np.ndarray:
+    """row_of of every position p0 .. p1 - 1 (int64)."""
+    positions = np.arange(p0, p1)
+    index = positions // block_size
+    return table[index].astype(np.int64) * block_size + positions - index * block_size
+
+
+def record_parts(record: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """codes [w, HALF], scales [w] and mins [w] (f16 bits) of a group's key record [GROUP * key row]."""
+    codes = record[: width * HALF].reshape(width, HALF)
+    scales = record[width * HALF : width * (HALF + 2)].view(np.uint16)
+    return codes, scales, record[width * (HALF + 2) :].view(np.uint16)
 
 
 @njit(cache=True, fastmath=True)
@@ -86,32 +126,54 @@ def decode_channels(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray, out
             out[t + HALF, c] = m + d * np.float32(byte >> 4)
 
 
+
+
+@njit(cache=True)
+def _gather_record(key_rows: np.ndarray, table: np.ndarray, block_size: int, group: int,
+                   out: np.ndarray) -> None:
+    """Group `group`'s GROUP key rows, one contiguous run per block, into out [GROUP, key row]."""
+    done = 0
+    while done < GROUP:
+        p = group * GROUP + done
+        n = min(block_size - p % block_size, GROUP - done)
+        r = row_of(table, block_size, p)
+        out[done : done + n] = key_rows[r : r + n]
+        done += n
+
+
 @njit(cache=True, fastmath=True, parallel=True)
-def attention_kivi(q: np.ndarray, codes: np.ndarray, scales: np.ndarray, mins: np.ndarray,
-                   values: np.ndarray, open_keys: np.ndarray, open_values: np.ndarray,
+def attention_kivi(q: np.ndarray, key_rows: np.ndarray, values: np.ndarray, table: np.ndarray,
+                   block_size: int, start: int, closed: int, open_keys: np.ndarray, open_values: np.ndarray,
                    n_heads: int) -> np.ndarray:
-    """One query over whole groups (codes [groups, w, HALF], scales and mins [groups, w], values
-    [groups * GROUP, row_bytes] q4_0 rows of rotated heads) and the open group's f16 rows open_keys,
-    open_values [n_open, 2 w]: a group per parallel task, partial softmaxes combined at the end."""
-    n_groups, w = codes.shape[0], codes.shape[1]
+    """One query over the whole groups start // GROUP .. closed - 1 (key rows [R, key row], values [R,
+    row_bytes] q4_0 rows of rotated heads, position p at row_of(table, block_size, p); positions before
+    `start` left out) and the open group's visible f16 rows open_keys, open_values [n_open, 2 w]: a group
+    per parallel task, partial softmaxes combined at the end."""
+    w = open_keys.shape[1] // 2
     n_open = open_keys.shape[0]
     head_dim = q.shape[0] // n_heads
     n_kv = w // head_dim
     group = n_heads // n_kv
     scale = np.float32(1.0 / math.sqrt(head_dim))
+    first = start // GROUP
+    n_groups = max(closed - first, 0)
     n_spans = n_groups + (1 if n_open else 0)
     partial = np.empty((n_spans, q.shape[0]), np.float32)
     stats = np.empty((n_spans, n_heads, 2), np.float32)
     for c in prange(n_spans):
         if c < n_groups:
+            at = first + c
+            record = np.empty((GROUP, key_rows.shape[1]), np.uint8)
+            _gather_record(key_rows, table, block_size, at, record)
+            rec = record.reshape(-1)
             weights = np.zeros((n_heads, GROUP), np.float32)
             base = np.zeros(n_heads, np.float32)
             for g in range(n_kv):
                 for j in range(head_dim):
                     ch = g * head_dim + j
-                    d = half_to_float(scales[c, ch])
-                    m = half_to_float(mins[c, ch])
-                    code = codes[c, ch]
+                    d = half_at(rec, w * HALF + 2 * ch)
+                    m = half_at(rec, w * (HALF + 2) + 2 * ch)
+                    code = rec[ch * HALF : (ch + 1) * HALF]
                     for h in range(g * group, (g + 1) * group):
                         qv = q[h * head_dim + j]
                         base[h] += qv * m
@@ -121,12 +183,19 @@ def attention_kivi(q: np.ndarray, codes: np.ndarray, scales: np.ndarray, mins: n
                             byte = code[t]
                             wh[t] += coef * np.float32(byte & 0xF)
                             wh[t + HALF] += coef * np.float32(byte >> 4)
+            lo = max(start - at * GROUP, 0)  # the group's positions before the window: left out
             for h in range(n_heads):
-                for t in range(GROUP):
-                    weights[h, t] = (weights[h, t] + base[h]) * scale
-            softmax_span(weights, GROUP, stats[c])
+                for t in range(lo, GROUP):
+                    weights[h, t - lo] = (weights[h, t] + base[h]) * scale
+            softmax_span(weights, GROUP - lo, stats[c])
             partial[c] = 0.0
-            mix_rows(weights, values[c * GROUP : (c + 1) * GROUP], FMT_Q4_0, n_heads, partial[c])
+            done = lo
+            while done < GROUP:
+                p = at * GROUP + done
+                n = min(block_size - p % block_size, GROUP - done)
+                r = row_of(table, block_size, p)
+                mix_rows_at(weights, values[r : r + n], FMT_Q4_0, n_heads, partial[c], done - lo)
+                done += n
             hadamard_rows(partial[c : c + 1], head_dim)  # the values were rotated: rotate the sum back
         else:
             k = np.empty((n_open, w), np.float32)
@@ -138,26 +207,38 @@ def attention_kivi(q: np.ndarray, codes: np.ndarray, scales: np.ndarray, mins: n
     return combine_spans(partial, stats, n_heads)
 
 
-class KiviStore:
-    """The buffers of a q4_kivi cache: whole groups rounded, the open group of each layer in f16."""
+ONE_BLOCK = np.zeros(1, np.int32)  # the table of rows stored in order: one block holding them all
+
+
+class KiviState:
+    """What one sequence keeps besides its rows: the open group of each layer in f16, until its last
+    position is written and it is rounded into its rows. The rows (key records, q4_0 values) live where
+    the layout keeps them (prealloc: its own buffers; paged: the pool's blocks), addressed by a table.
+    Groups past the capacity's last whole one are never closed: their rows stay open, as prealloc's."""
 
     def __init__(self, geometry: KVGeometry, capacity: int):
-        self.geometry = geometry
-        self.groups = capacity // GROUP  # positions past the last whole group stay in the open group
+        self.geometry, self.capacity = geometry, capacity
+        self.groups = capacity // GROUP
         layers, w = geometry.layers, geometry.kv_width
-        self.codes = lazy_zeros((layers, self.groups, w, HALF), np.uint8)
-        self.scales = lazy_zeros((layers, self.groups, w), np.uint16)
-        self.mins = lazy_zeros((layers, self.groups, w), np.uint16)
-        self.values = lazy_zeros((layers, self.groups * GROUP, value_row_bytes(geometry)), np.uint8)
         self.open_keys = lazy_zeros((layers, GROUP, 2 * w), np.uint8)
         self.open_values = lazy_zeros((layers, GROUP, 2 * w), np.uint8)
 
     @property
     def nbytes(self) -> int:
-        arrays = (self.codes, self.scales, self.mins, self.values, self.open_keys, self.open_values)
-        return sum(a.nbytes for a in arrays)
+        return self.open_keys.nbytes + self.open_values.nbytes
 
-    def write(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
+    def copy(self) -> KiviState:
+        other = KiviState(self.geometry, self.capacity)
+        other.open_keys[:] = self.open_keys
+        other.open_values[:] = self.open_values
+        return other
+
+    def closed(self, end: int) -> int:
+        """Whole groups among the first `end` positions."""
+        return min(end // GROUP, self.groups)
+
+    def write(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray, key_rows: np.ndarray,
+              value_rows: np.ndarray, table: np.ndarray, block_size: int) -> None:
         done = 0
         while done < k.shape[0]:
             group, offset = divmod(pos + done, GROUP)
@@ -167,49 +248,85 @@ class KiviStore:
             encode_rows(np.ascontiguousarray(v[done : done + n]), FMT_F16, self.open_values[layer, rows])
             done += n
             if offset + n == GROUP and group < self.groups:
-                self._close(layer, group)
+                self._close(layer, group, key_rows, value_rows, table, block_size)
 
-    write_stored = write  # snapshots hold q4_kivi rows as float32
-
-    def _close(self, layer: int, group: int) -> None:
-        """Round the full open group into its place."""
+    def _close(self, layer: int, group: int, key_rows: np.ndarray, value_rows: np.ndarray, table: np.ndarray,
+               block_size: int) -> None:
+        """Round the full open group into its rows."""
         g = self.geometry
         keys, values = (np.empty((GROUP, g.kv_width), np.float32) for _ in range(2))
         decode_rows(self.open_keys[layer], FMT_F16, keys)
         decode_rows(self.open_values[layer], FMT_F16, values)
-        encode_channels(keys, self.codes[layer, group], self.scales[layer, group], self.mins[layer, group])
+        record = np.empty(GROUP * key_rows.shape[1], np.uint8)
+        encode_channels(keys, *record_parts(record, g.kv_width))
         hadamard_rows(values, g.head_dim)
-        encode_rows(values, FMT_Q4_0, self.values[layer, group * GROUP : (group + 1) * GROUP])
+        stored = np.empty((GROUP, value_rows.shape[1]), np.uint8)
+        encode_rows(values, FMT_Q4_0, stored)
+        rows = rows_of(table, block_size, group * GROUP, (group + 1) * GROUP)
+        key_rows[rows] = record.reshape(GROUP, -1)
+        value_rows[rows] = stored
 
-    def _split(self, end: int) -> tuple[int, int]:
-        """Whole groups and open rows of the first `end` positions."""
-        closed = min(end // GROUP, self.groups)
-        return closed, end - closed * GROUP
+    def read(self, layer: int, start: int, end: int, key_rows: np.ndarray, value_rows: np.ndarray,
+             table: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """float32 keys and values of positions start .. end - 1 (whole groups decoded from their first)."""
+        g = self.geometry
+        closed, first = self.closed(end), start // GROUP
+        begin = min(first, closed) * GROUP  # the first position decoded
+        keys, values = (np.empty((end - begin, g.kv_width), np.float32) for _ in range(2))
+        record = np.empty((GROUP, key_rows.shape[1]), np.uint8)
+        for group in range(first, closed):
+            _gather_record(key_rows, table, block_size, group, record)
+            at = slice(group * GROUP - begin, (group + 1) * GROUP - begin)
+            decode_channels(*record_parts(record.reshape(-1), g.kv_width), keys[at])
+        n_closed = closed * GROUP - begin
+        closed_rows = rows_of(table, block_size, begin, closed * GROUP)
+        decode_rows(value_rows[closed_rows], FMT_Q4_0, values[:n_closed])
+        hadamard_rows(values[:n_closed], g.head_dim)
+        n_open = end - closed * GROUP  # begin is never past the open group's first position
+        decode_rows(self.open_keys[layer, :n_open], FMT_F16, keys[n_closed:])
+        decode_rows(self.open_values[layer, :n_open], FMT_F16, values[n_closed:])
+        return keys[start - begin :], values[start - begin :]
+
+    def attend(self, layer: int, query: np.ndarray, start: int, end: int, key_rows: np.ndarray,
+               value_rows: np.ndarray, table: np.ndarray, block_size: int) -> np.ndarray:
+        closed = self.closed(end)
+        skip = max(start - closed * GROUP, 0)  # open rows before the window
+        visible = slice(skip, end - closed * GROUP)
+        return attention_kivi(query, key_rows, value_rows, table, block_size, start, closed,
+                              self.open_keys[layer, visible], self.open_values[layer, visible],
+                              self.geometry.heads)
+
+
+class KiviStore:
+    """The buffers of a q4_kivi cache: every layer's whole groups' rows in order, and the KiviState."""
+
+    def __init__(self, geometry: KVGeometry, capacity: int):
+        self.state = KiviState(geometry, capacity)
+        self.geometry = geometry
+        rows, layers = self.state.groups * GROUP, geometry.layers
+        self.key_rows = lazy_zeros((layers, rows, key_row_bytes(geometry)), np.uint8)
+        self.values = lazy_zeros((layers, rows, value_row_bytes(geometry)), np.uint8)
+        self._block = max(rows, 1)  # the one block's size: every row is in it
+
+    @property
+    def nbytes(self) -> int:
+        return self.key_rows.nbytes + self.values.nbytes + self.state.nbytes
+
+    def _rows(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        return self.key_rows[layer], self.values[layer], ONE_BLOCK, self._block
+
+    def write(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
+        self.state.write(layer, pos, k, v, *self._rows(layer))
+
+    write_stored = write  # snapshots hold q4_kivi rows as float32
 
     def read(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        g = self.geometry
-        closed, n_open = self._split(end)
-        keys, values = (np.empty((end, g.kv_width), np.float32) for _ in range(2))
-        for group in range(closed):
-            rows = slice(group * GROUP, (group + 1) * GROUP)
-            at = (layer, group)
-            decode_channels(self.codes[at], self.scales[at], self.mins[at], keys[rows])
-        decode_rows(self.values[layer, : closed * GROUP], FMT_Q4_0, values[: closed * GROUP])
-        hadamard_rows(values[: closed * GROUP], g.head_dim)
-        decode_rows(self.open_keys[layer, :n_open], FMT_F16, keys[closed * GROUP :])
-        decode_rows(self.open_values[layer, :n_open], FMT_F16, values[closed * GROUP :])
-        return keys, values
+        return self.state.read(layer, 0, end, *self._rows(layer))
 
     stored = read
 
     def attend(self, layer: int, query: np.ndarray, end: int, start: int = 0) -> np.ndarray:
-        if start:
-            raise InfernoError("q4_kivi groups keys from position 0: it cannot attend over a sliding window")
-        closed, n_open = self._split(end)
-        groups = (layer, slice(0, closed))
-        return attention_kivi(query, self.codes[groups], self.scales[groups], self.mins[groups],
-                              self.values[layer, : closed * GROUP], self.open_keys[layer, :n_open],
-                              self.open_values[layer, :n_open], self.geometry.heads)
+        return self.state.attend(layer, query, start, end, *self._rows(layer))
 
     def clear(self) -> None:
         pass  # groups and open rows past the cache's length are never read

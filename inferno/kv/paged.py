@@ -1,10 +1,10 @@
 """`--kv paged`: K and V in a pool of fixed-size blocks that many sequences share (vLLM's PagedAttention).
 
-A `BlockPool` holds K and V rows in any row element type (f32, f16, q8_0, q8_0h, q4_0, q4_0h: encoded
-as they are written); each sequence (`PagedKVCache`) owns block tables, the pool's blocks holding its
-positions in order, and gets a new block only when its last one is full. Blocks carry reference counts,
-so sequences forked from one prompt hold its blocks once; the first write into a shared block that is
-not full copies it first (copy-on-write).
+A `BlockPool` holds K and V rows in any element type (encoded as they are written); each sequence
+(`PagedKVCache`) owns block tables, the pool's blocks holding its positions in order, and gets a new
+block only when its last one is full. Blocks carry reference counts, so sequences forked from one
+prompt hold its blocks once; the first write into a shared block that is not full copies it first
+(copy-on-write).
 
 Layers are grouped as vLLM's hybrid allocator groups them (`layer_groups`): every group has the same
 number of layers, and the layers of a group share one window (None: global; a sliding-window layer of
@@ -19,6 +19,23 @@ prefilling them. A block no sequence holds keeps its contents and hash until the
 
 Decode attention reads the blocks where they are, through the block table: the one decode-attention
 kernel of every layout (`inferno.kv.blocks.attend_tables`).
+
+q4_recent and q4_kivi keep state that spans positions. Their blocks hold what each position has on its
+own (q4_recent: the 4-bit body row, keys minus their segment's mean; q4_kivi: a key group's record cut
+into one piece per position, and q4_0 values), written by the kernels prealloc uses, addressed through
+the tables; the rest lives with the sequence (`state`: q4_recent's q8_0 ring of its newest rows and its
+key means; q4_kivi's open group in f16), and their attention kernels read blocks through the same
+(table, block_size) addressing as attend_tables. So each produces prealloc's rows and attention bit for
+bit. What that means for sharing and sliding groups:
+- a block's rows are a function of the tokens before its end, so published blocks stay consistent;
+- q4_kivi publishes and adopts whole key groups only (a group is rounded when its last position is
+  written: an earlier block holds nothing yet), its block size divides 64 or is a multiple of it (a
+  block never holds two groups' unfinished halves), a fork shares the closed groups' blocks and makes its
+  open group's anew, and a sliding group releases a key group's blocks together;
+- q4_recent neither publishes nor adopts: a sequence adopting a prefix would need the q8_0 rows of the
+  prefix's newest RECENT positions, which no block holds (computing them again would not give the same
+  rows). A fork copies them, so forks share every block. A segment's key mean is taken from its rows
+  when the next segment starts, so a sliding group keeps the open segment's blocks until then.
 
 A scheduler reserves blocks before a forward, never inside it: `PagedKVCache.blocks_needed(end)` is
 what `prepare(length, end)` takes from the pool (`BlockPool.free_blocks` is what it can give), and
@@ -36,18 +53,17 @@ import numpy as np
 
 from inferno.errors import InfernoError
 from inferno.kernels import attention
+from inferno.kv import kivi, recent
 from inferno.kv.base import KVCache, KVCacheFullError
 from inferno.kv.blocks import attend_tables
-from inferno.kv.dtypes import F32, ElementType, element_type
+from inferno.kv.dtypes import DTYPES, F32, ElementType, KiviType, RecentType, element_type
 from inferno.kv.geometry import KVGeometry
 from inferno.kv.prealloc import lazy_zeros
 
 ITEMSIZE = np.dtype(np.float32).itemsize
 BLOCK_SIZE = 16  # tokens per block: vLLM's default
 HOLE = -1  # a table slot whose block a sliding group released
-# Row element types a pool holds: q4_kivi and q4_recent keep state across positions of one sequence
-# (groups of 64 keys per channel, a ring of the newest rows and key means) that no block holds alone.
-PAGED_DTYPES = (F32, "f16", "q8_0", "q8_0h", "q4_0", "q4_0h")
+PAGED_DTYPES = tuple(DTYPES)  # every element type (q4_recent and q4_kivi with a sequence's `state`)
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -69,9 +85,42 @@ def paged_element_type(dtype: str) -> ElementType:
     """The element type `dtype` names, refused in one line when a pool cannot hold it."""
     if dtype not in PAGED_DTYPES:
         element_type(dtype)  # an unknown name gets the list of every element type
-        raise InfernoError(f"a paged cache holds {', '.join(PAGED_DTYPES)} rows, not {dtype} "
-                           "(its rows keep per-sequence state no block holds; prealloc holds any)")
+        raise InfernoError(f"a paged cache holds {', '.join(PAGED_DTYPES)} rows, not {dtype}")
     return element_type(dtype)
+
+
+def block_rows(dtype: ElementType, geometry: KVGeometry, block_size: int
+               ) -> tuple[int, int, type[np.generic]]:
+    """Items of one position's K row and V row in a pool's blocks, and their numpy type."""
+    if isinstance(dtype, KiviType):
+        dtype.row_items(geometry)  # refuses a geometry it cannot store
+        if kivi.GROUP % block_size and block_size % kivi.GROUP:
+            raise InfernoError(f"a paged q4_kivi cache needs a block size that divides {kivi.GROUP} or is a "
+                               f"multiple of it (its key groups), not {block_size}")
+        return kivi.key_row_bytes(geometry), kivi.value_row_bytes(geometry), np.uint8
+    if isinstance(dtype, RecentType):
+        recent.check_geometry(geometry)
+        body = recent.body_row_bytes(geometry.kv_width)
+        return body, body, np.uint8
+    items = dtype.row_items(geometry)
+    return items, items, dtype.storage
+
+
+def sequence_state(dtype: ElementType, geometry: KVGeometry, capacity: int
+                   ) -> recent.RecentState | kivi.KiviState | None:
+    """What a sequence of `capacity` positions keeps besides its blocks (None: nothing)."""
+    if isinstance(dtype, RecentType):
+        return recent.RecentState(geometry, capacity)
+    if isinstance(dtype, KiviType):
+        return kivi.KiviState(geometry, capacity)
+    return None
+
+
+def state_nbytes(dtype: ElementType, geometry: KVGeometry, capacity: int) -> int:
+    """Bytes of sequence_state(dtype, geometry, capacity)."""
+    if isinstance(dtype, RecentType):
+        return recent.sequence_nbytes(geometry, capacity)
+    return kivi.sequence_nbytes(geometry) if isinstance(dtype, KiviType) else 0
 
 
 @dataclass(frozen=True)
@@ -97,8 +146,9 @@ def layer_groups(geometry: KVGeometry) -> tuple[LayerGroup, ...]:
 class BlockPool:
     """The blocks sequences share: storage, reference counts, the free list and the prefix index.
 
-    keys, values: [group_layers, n_blocks, block_size, row_items] of the element type's storage; a
-    block belongs to one layer group at a time, its slot j holding the rows of the group's j-th layer.
+    keys, values: [group_layers, n_blocks, block_size, key_items (value_items)] of the element type's
+    storage (`block_rows`); a block belongs to one layer group at a time, its slot j holding the rows of
+    the group's j-th layer.
     """
 
     def __init__(self, geometry: KVGeometry, n_blocks: int, block_size: int = BLOCK_SIZE, dtype: str = F32):
@@ -107,7 +157,10 @@ class BlockPool:
         if n_blocks < 1:
             raise InfernoError(f"a block pool needs at least one block, got {n_blocks}")
         self.dtype = paged_element_type(dtype)
-        self.row_items = self.dtype.row_items(geometry)  # refuses a geometry the element type cannot store
+        # refuses a geometry (or a block size) the element type cannot store
+        self.key_items, self.value_items, storage = block_rows(self.dtype, geometry, block_size)
+        self.row_items = self.key_items
+        self.grouped = type(self.dtype) is not ElementType  # q4_kivi, q4_recent: a sequence keeps state
         self.geometry = geometry
         self.block_size = block_size
         self.n_blocks = n_blocks
@@ -117,12 +170,13 @@ class BlockPool:
         for g, group in enumerate(self.groups):
             for slot, layer in enumerate(group.layers):
                 self.slot_of[layer] = (g, slot)
-        shape = (self.group_layers, n_blocks, block_size, self.row_items)
-        self.keys = lazy_zeros(shape, self.dtype.storage)  # pages become resident as blocks are first written
-        self.values = lazy_zeros(shape, self.dtype.storage)
-        # each slot's rows [n_blocks * block_size, row_items] (views): the attention kernel's rows
-        self.key_rows = [self.keys[j].reshape(-1, self.row_items) for j in range(self.group_layers)]
-        self.value_rows = [self.values[j].reshape(-1, self.row_items) for j in range(self.group_layers)]
+        shape = (self.group_layers, n_blocks, block_size)
+        # pages become resident as blocks are first written
+        self.keys = lazy_zeros((*shape, self.key_items), storage)
+        self.values = lazy_zeros((*shape, self.value_items), storage)
+        # each slot's rows [n_blocks * block_size, items] (views): the attention kernel's rows
+        self.key_rows = [self.keys[j].reshape(-1, self.key_items) for j in range(self.group_layers)]
+        self.value_rows = [self.values[j].reshape(-1, self.value_items) for j in range(self.group_layers)]
         self.refs = np.zeros(n_blocks, np.int32)
         self._free = list(range(n_blocks - 1, -1, -1))  # popped from the end: block 0 first
         self._idle: OrderedDict[int, int] = OrderedDict()  # unheld published blocks, oldest first -> hash
@@ -144,7 +198,8 @@ class BlockPool:
     def planned_block_nbytes(geometry: KVGeometry, block_size: int = BLOCK_SIZE, dtype: str = F32) -> int:
         """K and V bytes of one block: block_size rows of every layer of a group."""
         group_layers = len(layer_groups(geometry)[0].layers)
-        return 2 * group_layers * block_size * paged_element_type(dtype).row_bytes(geometry)
+        key_items, value_items, storage = block_rows(paged_element_type(dtype), geometry, block_size)
+        return group_layers * block_size * (key_items + value_items) * np.dtype(storage).itemsize
 
     @property
     def block_nbytes(self) -> int:
@@ -230,6 +285,8 @@ class PagedKVCache(KVCache):
         self.published = 0  # leading full blocks whose hashes are in the pool's prefix index
         self._digests: list[int] = []  # token hash of each full block published, chained
         self._memo: dict[tuple[int, int], np.ndarray] = {}  # (group, end) -> attention_range
+        # q4_recent / q4_kivi: what the sequence keeps besides its blocks (see the module)
+        self.state = sequence_state(self.dtype, geometry, capacity)
 
     @classmethod
     def element_type(cls, dtype: str) -> ElementType:
@@ -239,9 +296,11 @@ class PagedKVCache(KVCache):
     def planned_nbytes(
         cls, geometry: KVGeometry, capacity: int, block_size: int = BLOCK_SIZE, dtype: str = F32
     ) -> int:
-        """The bytes of the pool a lone cache of `capacity` allocates (BlockPool.for_tokens)."""
+        """The bytes of the pool a lone cache of `capacity` allocates (BlockPool.for_tokens), and of its
+        sequence's own state (q4_recent, q4_kivi)."""
         blocks = BlockPool.sequence_blocks(geometry, capacity, block_size)
-        return blocks * BlockPool.planned_block_nbytes(geometry, block_size, dtype)
+        own = state_nbytes(paged_element_type(dtype), geometry, capacity)
+        return blocks * BlockPool.planned_block_nbytes(geometry, block_size, dtype) + own
 
     @property
     def block_size(self) -> int:
@@ -270,8 +329,10 @@ class PagedKVCache(KVCache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the blocks this sequence holds (shared ones included: see BlockPool.used_nbytes)."""
-        return len(self.held_blocks()) * self.pool.block_nbytes
+        """Bytes of the blocks this sequence holds (shared ones included: see BlockPool.used_nbytes), and
+        of its own state."""
+        own = 0 if self.state is None else self.state.nbytes
+        return len(self.held_blocks()) * self.pool.block_nbytes + own
 
     # -- sharing -------------------------------------------------------------------------------
 
@@ -281,11 +342,26 @@ class PagedKVCache(KVCache):
         if any(written != self.length for written in self._written):
             raise ValueError("fork of a sequence with uncommitted rows")
         other = PagedKVCache(self.geometry, capacity or self.capacity, pool=self.pool)
-        for block in self.held_blocks():
+        tables = [list(t) for t in self.tables]
+        if self.state is not None:
+            if other.capacity != self.capacity:
+                raise InfernoError(f"a {self.dtype.name} sequence forks at its own capacity, {self.capacity}")
+            other.state = self.state.copy()
+            if isinstance(self.state, kivi.KiviState):  # the open group's blocks are written when it closes
+                keep = blocks_for(self._closed_end(self.length), self.block_size)
+                tables = [t[:keep] for t in tables]
+        for block in (b for t in tables for b in t if b != HOLE):
             self.pool.share(block)
-        other._adopt([list(t) for t in self.tables], self.length)
+        other._adopt(tables, self.length)
         other.published, other._digests = self.published, list(self._digests)
         return other
+
+    def _closed_end(self, length: int) -> int:
+        """The first position past the rows whose blocks are written for good (q4_kivi: the open group
+        is rounded into its blocks when it is full; other types: every position written)."""
+        if isinstance(self.state, kivi.KiviState):
+            return self.state.closed(length) * kivi.GROUP
+        return length
 
     def reuse_prefix(self, token_ids: Sequence[int]) -> int:
         """Adopt the published blocks holding a prefix of token_ids (this sequence must be empty);
@@ -295,14 +371,18 @@ class PagedKVCache(KVCache):
         it can see: a global group all n, a sliding group those holding the last `window` positions."""
         if self.length or any(self.tables):
             raise ValueError("reuse_prefix needs an empty sequence")
+        if isinstance(self.state, recent.RecentState):
+            return 0  # no block holds the q8_0 rows of the prefix's newest positions (see the module)
         bs, pool, parent, digests, found = self.block_size, self.pool, None, [], []
         for i in range((len(token_ids) - 1) // bs):
             parent = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
             found.append([pool.lookup(group_hash(g, parent)) for g in range(len(self.groups))])
             digests.append(parent)
         n = len(found)
+        if isinstance(self.state, kivi.KiviState):  # whole key groups: the open group starts empty
+            n = self._closed_end(n * bs) // bs
         while n and not all(self._reusable(g, found, n) for g in range(len(self.groups))):
-            n -= 1
+            n -= self._adopt_unit()
         tables: list[list[int]] = []
         for g in range(len(self.groups)):
             first = self._first_needed(g, n * bs)
@@ -317,7 +397,20 @@ class PagedKVCache(KVCache):
     def _first_needed(self, g: int, length: int) -> int:
         """The first block of group g a query at position `length` or later can see."""
         window = self.groups[g].window
-        return 0 if window is None else max(length + 1 - window, 0) // self.block_size
+        if window is None:
+            return 0
+        first = max(length + 1 - window, 0)
+        if isinstance(self.state, kivi.KiviState):  # a visible key group keeps all its blocks
+            first -= first % kivi.GROUP
+        if isinstance(self.state, recent.RecentState):  # the rows the next segment's mean is taken from
+            first = min(first, self.state.first_kept(length))
+        return first // self.block_size
+
+    def _adopt_unit(self) -> int:
+        """Blocks a reused prefix grows by: one, or a key group's (q4_kivi)."""
+        if isinstance(self.state, kivi.KiviState):
+            return max(kivi.GROUP // self.block_size, 1)
+        return 1
 
     def _reusable(self, g: int, found: list[list[int | None]], n: int) -> bool:
         return all(found[i][g] is not None for i in range(self._first_needed(g, n * self.block_size), n))
@@ -326,13 +419,15 @@ class PagedKVCache(KVCache):
         """Index this sequence's full committed blocks by their tokens (token_ids: those it holds); a
         block a sliding group released is not published."""
         bs = self.block_size
-        for i in range(self.published, self.length // bs):
+        if isinstance(self.state, recent.RecentState):
+            return  # never adopted (see reuse_prefix)
+        for i in range(self.published, self._closed_end(self.length) // bs):
             parent = self._digests[-1] if self._digests else None
             self._digests.append(block_hash(parent, token_ids[i * bs : (i + 1) * bs]))
             for g, table in enumerate(self.tables):
                 if table[i] != HOLE:
                     self.pool.publish(table[i], group_hash(g, self._digests[-1]))
-        self.published = max(self.published, self.length // bs)
+        self.published = max(self.published, self._closed_end(self.length) // bs)
 
     def _adopt(self, tables: list[list[int]], length: int) -> None:
         self.tables = tables
@@ -402,13 +497,26 @@ class PagedKVCache(KVCache):
         super().commit(n_tokens)
         self._release_unseen()
 
+    def _state_rows(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """What the state's kernels take for `layer`: its slot's key and value rows, its group's table
+        and the block size."""
+        group, slot = self.pool.slot_of[layer]
+        pool = self.pool
+        return pool.key_rows[slot], pool.value_rows[slot], self.table_arrays[group], self.block_size
+
     def _store(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
+        if self.state is not None:  # float rows, rounded by the state's kernels (as prealloc's)
+            self._store_stored(layer, pos, k, v)
+            return
         g = self.geometry
         self._store_stored(layer, pos, self.dtype.encode(k, g), self.dtype.encode(v, g))
 
     def _store_stored(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
         end, bs = pos + k.shape[0], self.block_size
         self.prepare(pos, end)  # nothing to do when the caller prepared
+        if self.state is not None:  # q4_recent, q4_kivi: their stored form is float32 rows (snapshots)
+            self.state.write(layer, pos, k, v, *self._state_rows(layer))
+            return
         group, slot = self.pool.slot_of[layer]
         table, p = self.tables[group], pos
         keys, values = self.pool.keys[slot], self.pool.values[slot]
@@ -419,22 +527,31 @@ class PagedKVCache(KVCache):
             values[block, offset : offset + n] = v[p - pos : p - pos + n]
             p += n
 
-    def _stored_span(self, layer: int, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        """Stored rows of positions start .. end - 1 of `layer`, gathered from its blocks (a copy)."""
-        group, slot = self.pool.slot_of[layer]
-        bs, table = self.block_size, self.table_arrays[group]
-        blocks = table[start // bs : blocks_for(end, bs)]
-        if (blocks == HOLE).any():
+    def _check_held(self, layer: int, start: int, end: int) -> None:
+        """Refuse positions of a block a sliding group released."""
+        group = self.pool.slot_of[layer][0]
+        bs = self.block_size
+        if (self.table_arrays[group][start // bs : blocks_for(end, bs)] == HOLE).any():
             window = self.groups[group].window
             gone = self._first_needed(group, self.length) * bs
             raise InfernoError(f"layer {layer} slides over {window} positions: positions before {gone} "
                                f"were released, {start} asked for")
+
+    def _stored_span(self, layer: int, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Stored rows of positions start .. end - 1 of `layer`, gathered from its blocks (a copy)."""
+        self._check_held(layer, start, end)
+        group, slot = self.pool.slot_of[layer]
+        bs, table = self.block_size, self.table_arrays[group]
+        blocks = table[start // bs : blocks_for(end, bs)]
         cut = slice(start % bs, start % bs + end - start)
         keys = self.pool.keys[slot, blocks].reshape(-1, self.pool.row_items)[cut]
         return keys, self.pool.values[slot, blocks].reshape(-1, self.pool.row_items)[cut]
 
     def _rows(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         """A gathered copy (snapshots, kv-inspect), as float32; decode reads blocks in place."""
+        if self.state is not None:
+            self._check_held(layer, 0, self._closed_end(end))
+            return self.state.read(layer, 0, end, *self._state_rows(layer))
         keys, values = self._stored_span(layer, 0, end)
         return self.dtype.decode(keys, self.geometry), self.dtype.decode(values, self.geometry)
 
@@ -442,6 +559,8 @@ class PagedKVCache(KVCache):
         end = self.length if end is None else end
         if end > self._written[layer]:
             raise ValueError(f"layer {layer} holds {self._written[layer]} rows, {end} asked for")
+        if self.state is not None:  # snapshots hold q4_recent and q4_kivi rows as float32
+            return self._rows(layer, end)
         return self._stored_span(layer, 0, end)
 
     def _clear(self) -> None:
@@ -455,8 +574,11 @@ class PagedKVCache(KVCache):
         self.write(layer, pos, k, v)
         window = self.geometry.window(layer)
         start = 0 if window is None else max(pos + 1 - window, 0)
-        keys, values = self._stored_span(layer, start, pos + k.shape[0])
-        keys, values = self.dtype.decode(keys, self.geometry), self.dtype.decode(values, self.geometry)
+        if self.state is not None:
+            keys, values = self.state.read(layer, start, pos + k.shape[0], *self._state_rows(layer))
+        else:
+            keys, values = self._stored_span(layer, start, pos + k.shape[0])
+            keys, values = self.dtype.decode(keys, self.geometry), self.dtype.decode(values, self.geometry)
         return attention.attention_prefill(q, keys, values, self.geometry.heads, pos - start, window=window)
 
     def attend(self, layer: int, query: np.ndarray, end: int) -> np.ndarray:
@@ -468,6 +590,8 @@ class PagedKVCache(KVCache):
             if any(e != end for _, e in self._memo):
                 self._memo.clear()
             ranges = self._memo[(group, end)] = self.attention_range(group, end)[None]
+        if self.state is not None:
+            return self.state.attend(layer, query, int(ranges[0, 0]), end, *self._state_rows(layer))
         pool = self.pool
         return attend_tables(query[None], pool.key_rows[slot], pool.value_rows[slot],
                              self.table_arrays[group][None], ranges, self.block_size, self.geometry.heads,

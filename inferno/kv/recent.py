@@ -18,6 +18,10 @@ the ring), q8_0's 8.5 for the ring, and an f16 mean per key channel and segment 
 
 Rows are stored rotated (`inferno.kv.blocks`): the query is rotated once per step and the output
 rotated back once, and the segment means are kept rotated too.
+
+Where body rows live is the layout's: position p's is found through a block table as
+`blocks.attend_tables` finds a row (prealloc: one block; paged: the pool's blocks). The ring and the
+means are the sequence's own (`RecentState`).
 """
 
 from __future__ import annotations
@@ -78,18 +82,43 @@ def check_geometry(geometry: KVGeometry) -> None:
 
 
 def planned_nbytes(geometry: KVGeometry, capacity: int) -> int:
-    body, ring, means = split(capacity)
+    body, _, _ = split(capacity)
+    body_bytes = geometry.layers * 2 * body * body_row_bytes(geometry.kv_width)
+    return body_bytes + sequence_nbytes(geometry, capacity)
+
+
+def sequence_nbytes(geometry: KVGeometry, capacity: int) -> int:
+    """Bytes of what a sequence of `capacity` positions keeps besides its body rows: the q8_0 ring and the
+    key means (`RecentState`)."""
+    _, ring, means = split(capacity)
     w = geometry.kv_width
-    per_layer = 2 * (body * body_row_bytes(w) + ring * ring_row_bytes(w)) + means * w * 2
-    return geometry.layers * per_layer
+    return geometry.layers * (2 * ring * ring_row_bytes(w) + means * w * 2)
+
+
+@njit(cache=True)
+def body_row(table: np.ndarray, block_size: int, p: int) -> int:
+    """The body row of position p: row table[p // block_size] * block_size + p % block_size of the rows
+    (prealloc: one block holding them all; paged: the pool's blocks, blocks.attend_tables' addressing)."""
+    index = p // block_size
+    return np.int64(table[index]) * block_size + p - index * block_size
 
 
 @njit(cache=True, fastmath=True)
-def _segment_mean(body_keys: np.ndarray, means: np.ndarray, segment: int) -> None:
-    """means[segment - 1]: f16 bits of the mean of segment - 1's stored keys, their own mean added back."""
+def _segment_mean(body_keys: np.ndarray, table: np.ndarray, block_size: int, means: np.ndarray,
+                  segment: int) -> None:
+    """means[segment - 1]: f16 bits of the mean of segment - 1's stored keys (gathered from their
+    blocks), their own mean added back."""
     w = means.shape[1]
+    stored = np.empty((SEGMENT, body_keys.shape[1]), np.uint8)
+    done = 0
+    while done < SEGMENT:
+        p = (segment - 1) * SEGMENT + done
+        n = min(block_size - p % block_size, SEGMENT - done)
+        r = body_row(table, block_size, p)
+        stored[done : done + n] = body_keys[r : r + n]
+        done += n
     rows = np.empty((SEGMENT, w), np.float32)
-    decode_rows(body_keys[(segment - 1) * SEGMENT : segment * SEGMENT], FMT_Q4_64, rows)
+    decode_rows(stored, FMT_Q4_64, rows)
     for c in range(w):
         total = np.float32(0.0)
         for t in range(SEGMENT):
@@ -111,24 +140,27 @@ def _body_layout(width: int, n_heads: int, row_bytes: int) -> tuple[int, int, in
 
 
 @njit(cache=True, fastmath=True)
-def score_body(q: np.ndarray, keys: np.ndarray, n_heads: int, weights: np.ndarray) -> None:
-    """blocks.score_rows over body rows keys [S, row bytes] (FMT_Q4_64). Its own loop, with the
-    format's offsets as constants: one generic loop over both layouts cost f16 rows 30% of speed."""
+def score_body(q: np.ndarray, keys: np.ndarray, n_heads: int, weights: np.ndarray, col: int = 0) -> None:
+    """blocks.score_rows_at over body rows keys [S, row bytes] (FMT_Q4_64) into weights[:, col : col + S].
+    Its own loop, with the format's offsets as constants: one generic loop over both layouts cost f16
+    rows 30% of speed."""
     head_dim, per_head, n_kv, group = _body_layout(q.shape[0], n_heads, keys.shape[1])
     width = weights.shape[1]
-    weights[:] = 0.0
+    for h in range(n_heads):
+        for s in range(keys.shape[0]):
+            weights[h, col + s] = 0.0
     for s in range(keys.shape[0]):
         prefetch_ahead(keys, s)
         for g in range(n_kv):
             for c in range(per_head):
                 o = (g * per_head + c) * SCALED_BYTES
                 pair_dots(KIND_Q4, q, (g * group * per_head + c) * SCALED, head_dim, group, keys[s], o + 2,
-                          weights, g * group * width + s, width, half_at(keys[s], o))
+                          weights, g * group * width + col + s, width, half_at(keys[s], o))
 
 
 @njit(cache=True, fastmath=True)
-def mix_body(weights: np.ndarray, values: np.ndarray, n_heads: int, out: np.ndarray) -> None:
-    """blocks.mix_rows over body rows values [S, row bytes] (FMT_Q4_64)."""
+def mix_body(weights: np.ndarray, values: np.ndarray, n_heads: int, out: np.ndarray, col: int = 0) -> None:
+    """blocks.mix_rows_at over body rows values [S, row bytes] (FMT_Q4_64), weights[:, col : col + S]."""
     head_dim, per_head, n_kv, group = _body_layout(out.shape[0], n_heads, values.shape[1])
     width = weights.shape[1]
     for s in range(values.shape[0]):
@@ -137,19 +169,20 @@ def mix_body(weights: np.ndarray, values: np.ndarray, n_heads: int, out: np.ndar
             for c in range(per_head):
                 o = (g * per_head + c) * SCALED_BYTES
                 pair_axpys(KIND_Q4, out, (g * group * per_head + c) * SCALED, head_dim, group, weights,
-                           g * group * width + s, width, half_at(values[s], o), values[s], o + 2)
+                           g * group * width + col + s, width, half_at(values[s], o), values[s], o + 2)
 
 
 @njit(cache=True, fastmath=True)
 def write_rows(k: np.ndarray, v: np.ndarray, pos: int, head_dim: int, body_keys: np.ndarray,
-               body_values: np.ndarray, means: np.ndarray, ring_keys: np.ndarray,
-               ring_values: np.ndarray) -> None:
-    """Rows k, v [n, w] of positions pos .. pos + n - 1 of one layer into its stores: body [capacity -
-    ring, row bytes] 4-bit, means [segments - 1, w] f16 bits, ring [ring, row bytes] q8_0."""
+               body_values: np.ndarray, table: np.ndarray, block_size: int, n_body: int, means: np.ndarray,
+               ring_keys: np.ndarray, ring_values: np.ndarray) -> None:
+    """Rows k, v [n, w] of positions pos .. pos + n - 1 of one layer into its stores: body rows [R, row
+    bytes] 4-bit at body_row(table, block_size, p) for p < n_body, means [segments - 1, w] f16 bits, ring
+    [ring, row bytes] q8_0. The previous segment's body rows must be held when a segment starts."""
     keys, values = k.copy(), v.copy()
     hadamard_rows(keys, head_dim)
     hadamard_rows(values, head_dim)
-    n_ring, n_body = ring_keys.shape[0], body_keys.shape[0]
+    n_ring = ring_keys.shape[0]
     for i in range(keys.shape[0]):
         p = pos + i
         slot = p % n_ring
@@ -160,21 +193,39 @@ def write_rows(k: np.ndarray, v: np.ndarray, pos: int, head_dim: int, body_keys:
         segment = p // SEGMENT
         if segment >= 1:
             if p % SEGMENT == 0:
-                _segment_mean(body_keys, means, segment)
+                _segment_mean(body_keys, table, block_size, means, segment)
             for c in range(keys.shape[1]):
                 keys[i, c] -= half_to_float(means[segment - 1, c])
-        encode_rows(keys[i : i + 1], FMT_Q4_64, body_keys[p : p + 1])
-        encode_rows(values[i : i + 1], FMT_Q4_64, body_values[p : p + 1])
+        r = body_row(table, block_size, p)
+        encode_rows(keys[i : i + 1], FMT_Q4_64, body_keys[r : r + 1])
+        encode_rows(values[i : i + 1], FMT_Q4_64, body_values[r : r + 1])
+
+
+@njit(cache=True, fastmath=True)
+def _body_runs(query: np.ndarray, rows: np.ndarray, table: np.ndarray, block_size: int, p0: int, p1: int,
+               n_heads: int, weights: np.ndarray, out: np.ndarray, mix: bool) -> None:
+    """score_body (or mix_body) over body positions p0 .. p1 - 1, one contiguous run of rows per block
+    (blocks._each_run for the body's format)."""
+    p, col = p0, 0
+    while p < p1:
+        n = min(block_size - p % block_size, p1 - p)
+        r = body_row(table, block_size, p)
+        if mix:
+            mix_body(weights, rows[r : r + n], n_heads, out, col)
+        else:
+            score_body(query, rows[r : r + n], n_heads, weights, col)
+        p += n
+        col += n
 
 
 @njit(cache=True, fastmath=True, parallel=True)
-def attention_recent(q: np.ndarray, body_keys: np.ndarray, body_values: np.ndarray, means: np.ndarray,
-                     ring_keys: np.ndarray, ring_values: np.ndarray, start: int, split_at: int,
-                     end: int, n_heads: int, span: int) -> np.ndarray:
-    """One query over positions start .. end - 1: the body's rows before split_at, the ring's from
-    there on (slot p % ring: one run of slots, or two where it wraps). Spans of `span` body rows
-    (kernels.decode_span) and the ring's runs run in parallel; their partial softmaxes are combined
-    at the end (kernels.combine_spans)."""
+def attention_recent(q: np.ndarray, body_keys: np.ndarray, body_values: np.ndarray, table: np.ndarray,
+                     block_size: int, means: np.ndarray, ring_keys: np.ndarray, ring_values: np.ndarray,
+                     start: int, split_at: int, end: int, n_heads: int, span: int) -> np.ndarray:
+    """One query over positions start .. end - 1: the body's rows before split_at (position p at
+    body_row(table, block_size, p)), the ring's from there on (slot p % ring: one run of slots, or two
+    where it wraps). Spans of `span` body rows (kernels.decode_span) and the ring's runs run in parallel;
+    their partial softmaxes are combined at the end (kernels.combine_spans)."""
     head_dim, _, _, group = _body_layout(q.shape[0], n_heads, body_keys.shape[1])
     query = q.copy().reshape(1, -1)
     hadamard_rows(query, head_dim)
@@ -182,7 +233,8 @@ def attention_recent(q: np.ndarray, body_keys: np.ndarray, body_values: np.ndarr
     # each segment's mean shifts its scores: q_h . mean (rotated), per segment and query head
     shift = np.zeros((means.shape[0] + 1, n_heads), np.float32)
     mean = np.empty(means.shape[1], np.float32)  # one segment's, as floats: the dots below vectorize
-    for m in range(means.shape[0]):
+    # only the segments of the body positions read (segment m + 1 takes means[m])
+    for m in range(max(start // SEGMENT - 1, 0), min(means.shape[0], max(split_at - 1, 0) // SEGMENT)):
         for c in range(mean.shape[0]):
             mean[c] = half_to_float(means[m, c])
         for h in range(n_heads):
@@ -205,12 +257,12 @@ def attention_recent(q: np.ndarray, body_keys: np.ndarray, body_values: np.ndarr
             s0 = start + c * span
             s1 = min(s0 + span, split_at)
             weights = np.empty((n_heads, s1 - s0), np.float32)
-            score_body(query[0], body_keys[s0:s1], n_heads, weights)
+            _body_runs(query[0], body_keys, table, block_size, s0, s1, n_heads, weights, partial[c], False)
             for h in range(n_heads):  # along each head's row of scores: contiguous
                 for s in range(s1 - s0):
                     weights[h, s] += shift[(s0 + s) // SEGMENT, h]
             softmax_span(weights, s1 - s0, stats[c])
-            mix_body(weights, body_values[s0:s1], n_heads, partial[c])
+            _body_runs(query[0], body_values, table, block_size, s0, s1, n_heads, weights, partial[c], True)
         else:
             s0, s1 = runs[c - body_spans, 0], runs[c - body_spans, 1]
             weights = np.empty((n_heads, s1 - s0), np.float32)
@@ -222,59 +274,111 @@ def attention_recent(q: np.ndarray, body_keys: np.ndarray, body_values: np.ndarr
     return out[0]
 
 
-class RecentStore:
-    """The buffers of a q4_recent cache, per layer: the 4-bit body, its key means, the q8_0 ring."""
+ONE_BLOCK = np.zeros(1, np.int32)  # the table of body rows stored in order: one block holding them all
+
+
+class RecentState:
+    """What one sequence keeps besides its body rows, per layer: the q8_0 ring of its newest RECENT rows
+    and its key means. The body rows live where the layout keeps them (prealloc: its own buffer; paged:
+    the pool's blocks), addressed by a block table; a segment's mean is taken from its rows when the
+    next segment starts, so a layout that drops old rows keeps those of the previous segment until then
+    (`first_kept`)."""
 
     def __init__(self, geometry: KVGeometry, capacity: int):
         check_geometry(geometry)
-        self.geometry = geometry
-        body, ring, means = split(capacity)
+        self.geometry, self.capacity = geometry, capacity
+        self.n_body, ring, means = split(capacity)
         layers, w = geometry.layers, geometry.kv_width
-        self.body_keys = lazy_zeros((layers, body, body_row_bytes(w)), np.uint8)
-        self.body_values = lazy_zeros((layers, body, body_row_bytes(w)), np.uint8)
         self.means = lazy_zeros((layers, means, w), np.uint16)
         self.ring_keys = lazy_zeros((layers, ring, ring_row_bytes(w)), np.uint8)
         self.ring_values = lazy_zeros((layers, ring, ring_row_bytes(w)), np.uint8)
 
     @property
     def nbytes(self) -> int:
-        arrays = (self.body_keys, self.body_values, self.means, self.ring_keys, self.ring_values)
-        return sum(a.nbytes for a in arrays)
+        return sum(a.nbytes for a in (self.means, self.ring_keys, self.ring_values))
 
-    def write(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
+    def copy(self) -> RecentState:
+        """The same state for a fork (its blocks are shared; these are its own)."""
+        other = RecentState(self.geometry, self.capacity)
+        for name in ("means", "ring_keys", "ring_values"):
+            getattr(other, name)[:] = getattr(self, name)
+        return other
+
+    def write(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray, body_keys: np.ndarray,
+              body_values: np.ndarray, table: np.ndarray, block_size: int) -> None:
         write_rows(np.ascontiguousarray(k, np.float32), np.ascontiguousarray(v, np.float32), pos,
-                   self.geometry.head_dim, self.body_keys[layer], self.body_values[layer],
+                   self.geometry.head_dim, body_keys, body_values, table, block_size, self.n_body,
                    self.means[layer], self.ring_keys[layer], self.ring_values[layer])
 
-    write_stored = write  # snapshots hold q4_recent rows as float32, rounded again on loading
+    @staticmethod
+    def first_kept(length: int) -> int:
+        """The first body position writes after the first `length` still read: the open segment's, or,
+        when the next write starts a segment, the previous one's (its mean is taken then)."""
+        return max(length - 1, 0) // SEGMENT * SEGMENT
 
-    def _split_at(self, end: int) -> int:
+    def split_at(self, end: int) -> int:
         """The first position of the first `end` that attention reads from the ring."""
         return max(end - self.ring_keys.shape[1], 0)
 
-    def read(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+    def read(self, layer: int, start: int, end: int, body_keys: np.ndarray, body_values: np.ndarray,
+             table: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """float32 keys and values of positions start .. end - 1, as attention at `end` reads them."""
         g = self.geometry
-        at = self._split_at(end)
-        keys, values = (np.empty((end, g.kv_width), np.float32) for _ in range(2))
-        decode_rows(self.body_keys[layer, :at], FMT_Q4_64, keys[:at])
-        decode_rows(self.body_values[layer, :at], FMT_Q4_64, values[:at])
-        for segment in range(1, -(-at // SEGMENT)):
-            rows = slice(segment * SEGMENT, min((segment + 1) * SEGMENT, at))
-            keys[rows] += self.means[layer, segment - 1].view(np.float16)
+        at = max(self.split_at(end), start)
+        positions = np.arange(start, at)
+        index = positions // block_size
+        rows = table[index].astype(np.int64) * block_size + positions - index * block_size
+        keys, values = (np.empty((end - start, g.kv_width), np.float32) for _ in range(2))
+        decode_rows(body_keys[rows], FMT_Q4_64, keys[: at - start])
+        decode_rows(body_values[rows], FMT_Q4_64, values[: at - start])
+        for segment in range(max(start // SEGMENT, 1), -(-at // SEGMENT)):
+            span = slice(max(segment * SEGMENT, start) - start, min((segment + 1) * SEGMENT, at) - start)
+            keys[span] += self.means[layer, segment - 1].view(np.float16)
         slots = np.arange(at, end) % self.ring_keys.shape[1]
-        decode_rows(self.ring_keys[layer, slots], FMT_Q8_0, keys[at:])
-        decode_rows(self.ring_values[layer, slots], FMT_Q8_0, values[at:])
+        decode_rows(self.ring_keys[layer, slots], FMT_Q8_0, keys[at - start :])
+        decode_rows(self.ring_values[layer, slots], FMT_Q8_0, values[at - start :])
         hadamard_rows(keys, g.head_dim)  # its own inverse
         hadamard_rows(values, g.head_dim)
         return keys, values
 
+    def attend(self, layer: int, query: np.ndarray, start: int, end: int, body_keys: np.ndarray,
+               body_values: np.ndarray, table: np.ndarray, block_size: int) -> np.ndarray:
+        split_at = self.split_at(end)
+        return attention_recent(query, body_keys, body_values, table, block_size, self.means[layer],
+                                self.ring_keys[layer], self.ring_values[layer], start, split_at, end,
+                                self.geometry.heads, decode_span(max(split_at - start, 1)))
+
+
+class RecentStore:
+    """The buffers of a q4_recent cache: the 4-bit body of every layer in order, and the RecentState."""
+
+    def __init__(self, geometry: KVGeometry, capacity: int):
+        self.state = RecentState(geometry, capacity)
+        self.geometry = geometry
+        layers, body, w = geometry.layers, self.state.n_body, geometry.kv_width
+        self.body_keys = lazy_zeros((layers, body, body_row_bytes(w)), np.uint8)
+        self.body_values = lazy_zeros((layers, body, body_row_bytes(w)), np.uint8)
+        self._block = max(body, 1)  # the one block's size: every body row is in it
+
+    @property
+    def nbytes(self) -> int:
+        return self.body_keys.nbytes + self.body_values.nbytes + self.state.nbytes
+
+    def write(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
+        self.state.write(layer, pos, k, v, self.body_keys[layer], self.body_values[layer], ONE_BLOCK,
+                         self._block)
+
+    write_stored = write  # snapshots hold q4_recent rows as float32, rounded again on loading
+
+    def read(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.state.read(layer, 0, end, self.body_keys[layer], self.body_values[layer], ONE_BLOCK,
+                               self._block)
+
     stored = read
 
     def attend(self, layer: int, query: np.ndarray, end: int, start: int = 0) -> np.ndarray:
-        at, split_at = (layer,), self._split_at(end)
-        return attention_recent(query, self.body_keys[at], self.body_values[at], self.means[at],
-                                self.ring_keys[at], self.ring_values[at], start, split_at, end,
-                                self.geometry.heads, decode_span(max(split_at - start, 1)))
+        return self.state.attend(layer, query, start, end, self.body_keys[layer], self.body_values[layer],
+                                 ONE_BLOCK, self._block)
 
     def clear(self) -> None:
         pass  # rows past the cache's length are never read; the means are written again with them

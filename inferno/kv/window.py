@@ -94,7 +94,8 @@ class WindowKVCache(KVCache):
         if dtype in DTYPES and dtype not in cls.dtypes:
             raise InfernoError(
                 f"a window cache holds {', '.join(cls.dtypes)} rows, not {dtype}: {dtype} stores positions "
-                "in groups, which a ring overwriting one position at a time cannot hold (prealloc holds it)"
+                "in groups, which a ring overwriting one position at a time cannot hold (prealloc and paged "
+                "hold it)"
             )
         return super().element_type(dtype)
 
