@@ -158,6 +158,9 @@ def test_grouped_types_in_a_pool_generate_what_prealloc_generates_past_their_gro
         want = [greedy(model, ids, "prealloc", dtype) for ids in (first, second)]
         scheduler = model.scheduler("paged", kv_dtype=dtype, max_batch=3)
         rids = [scheduler.add(Request(ids, NEW, ignore_eos=True)) for ids in (first, second, first)]
+        scheduler.step()
+        # q4_kivi's third request waits for the first's groups; q4_recent's, which can adopt none, does not
+        assert (scheduler.get(rids[2]).computed == 0) == (dtype == "q4_kivi")
         while scheduler.has_work:
             for event in scheduler.step():
                 assert event.error is None

@@ -371,8 +371,8 @@ class PagedKVCache(KVCache):
         it can see: a global group all n, a sliding group those holding the last `window` positions."""
         if self.length or any(self.tables):
             raise ValueError("reuse_prefix needs an empty sequence")
-        if isinstance(self.state, recent.RecentState):
-            return 0  # no block holds the q8_0 rows of the prefix's newest positions (see the module)
+        if not self.shares_prefixes:
+            return 0
         bs, pool, parent, digests, found = self.block_size, self.pool, None, [], []
         for i in range((len(token_ids) - 1) // bs):
             parent = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
@@ -415,12 +415,17 @@ class PagedKVCache(KVCache):
     def _reusable(self, g: int, found: list[list[int | None]], n: int) -> bool:
         return all(found[i][g] is not None for i in range(self._first_needed(g, n * self.block_size), n))
 
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether its full blocks are published for later prompts: not q4_recent's (see the module)."""
+        return not isinstance(self.state, recent.RecentState)
+
     def publish(self, token_ids: Sequence[int]) -> None:
         """Index this sequence's full committed blocks by their tokens (token_ids: those it holds); a
         block a sliding group released is not published."""
         bs = self.block_size
-        if isinstance(self.state, recent.RecentState):
-            return  # never adopted (see reuse_prefix)
+        if not self.shares_prefixes:
+            return
         for i in range(self.published, self._closed_end(self.length) // bs):
             parent = self._digests[-1] if self._digests else None
             self._digests.append(block_hash(parent, token_ids[i * bs : (i + 1) * bs]))

@@ -276,7 +276,7 @@ class Scheduler:
         """A prompt whose first block another running prompt is still computing waits for it: once
         that one's blocks are published, this one reuses them instead of computing them again (N
         samples of one prompt compute it once)."""
-        if not isinstance(gen.cache, PagedKVCache) or gen.computed:
+        if not isinstance(gen.cache, PagedKVCache) or gen.computed or not gen.cache.shares_prefixes:
             return False
         size = gen.cache.block_size
         if len(gen.tokens) <= size:
