@@ -82,6 +82,19 @@ def test_the_first_count_follows_how_busy_others_kept_the_cpus_at_start_up(monke
     assert unknown.governor(2, others=None).settle() == 2
 
 
+def test_one_thread_swinging_with_time_slices_is_no_reason_to_probe(monkeypatch):
+    """Two neighbours on two cores: one thread's steps run 17 ms with a core to itself, 36 ms sharing
+    one, in phases of a few steps. Only the spaced probes try two threads (each a slow step)."""
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    machine = Machine({2: 0.200, 1: 0.017})
+    gov = machine.governor(2, others=1.8)
+    counts = []
+    for phase in range(60):
+        machine.costs[1] = 0.017 if phase % 2 else 0.036
+        counts += machine.run(gov, 4)
+    assert counts.count(2) <= 1  # 240 steps: at most the one probe spaced for a 200 ms step
+
+
 def test_steps_of_different_sizes_are_compared_only_with_their_like():
     machine = Machine(QUIET)
     gov = machine.governor(2)

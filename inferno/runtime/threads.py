@@ -9,8 +9,8 @@ processes kept the CPUs while the command started (its imports and loading); the
 every step, now and then
 runs one step on a neighbouring count (a probe), and keeps whichever computes a token faster. Probes
 cost time (a probe on the worse count is a slow step), so they are spaced to cost at most PROBE_COST of
-it, judged from the last probe's ratio; they come soon again when the current count's time moves (the
-machine changed).
+it, judged from the last probe's ratio; they come soon again when the current count's steps turn slow
+(load arrived).
 
 One governor serves the process (the load is the machine's, not a request's): `GOVERNOR`. Numba's
 thread count is per calling thread, so it is set before each step in the thread that steps; the BLAS
@@ -36,7 +36,7 @@ PROBE_EVERY = (16, 256)  # bounds on the steps between probes
 PROBE_COST = 0.03  # the share of time that probing on a slower count may cost
 WINDOW = 8  # recent steps kept per (class of step, thread count)
 WIN = 0.85  # a probe wins when its token takes at most this share of the current count's
-MOVED = 1.5  # the current count's time moving by this factor, three steps running: the machine changed
+MOVED = 1.5  # the current count's time above its usual by this factor, three steps running: load came
 
 
 class ThreadGovernor:
@@ -136,18 +136,17 @@ class ThreadGovernor:
                 self._interval = max(min(2 * self._interval, PROBE_EVERY[1]), _spacing(seconds / reference))
                 self._probe_up = not self._probe_up
             self._probe_at = self._steps + self._interval
-        elif len(mine) >= FIRST_PROBE:
-            typical = statistics.median(mine)
-            way = 1 if seconds > typical * MOVED else -1 if seconds < typical / MOVED else 0
-            self._moved = self._moved + way if way and self._moved * way >= 0 else way
-            if abs(self._moved) >= 3:  # the machine changed: forget the old times
-                mine.clear()
-                # Slower, fewer threads may now be faster; faster, more may be: challenge it that way soon.
-                self._probe_up = self._moved < 0
-                if self.current != (self.most if self._probe_up else 1):
-                    self._interval = PROBE_EVERY[0]
-                    self._probe_at = self._steps + FIRST_PROBE
+        elif len(mine) >= FIRST_PROBE and self.current > 1:
+            # Three steps running well above the usual: load arrived; challenge the count with fewer
+            # threads soon. (A count getting faster is no sign: on a shared core one thread's steps
+            # swing 2x with the OS's time slices, and load leaving is found by the spaced probes.)
+            self._moved = self._moved + 1 if seconds > statistics.median(mine) * MOVED else 0
+            if self._moved >= 3:
                 self._moved = 0
+                mine.clear()
+                self._probe_up = False
+                self._interval = PROBE_EVERY[0]
+                self._probe_at = self._steps + FIRST_PROBE
         mine.append(seconds)
 
     def _switch(self, threads: int, seconds: float, reference: float) -> None:
