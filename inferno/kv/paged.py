@@ -48,6 +48,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -201,7 +202,7 @@ class BlockPool:
         key_items, value_items, storage = block_rows(paged_element_type(dtype), geometry, block_size)
         return group_layers * block_size * (key_items + value_items) * np.dtype(storage).itemsize
 
-    @property
+    @cached_property  # read for every sequence's bytes after every step
     def block_nbytes(self) -> int:
         """K and V bytes of one block (a group's layers; all layers when none slides)."""
         return self.planned_block_nbytes(self.geometry, self.block_size, self.dtype.name)
