@@ -2,8 +2,8 @@
 
 LLVM's tuning for Intel's AVX-512 cores prefers 256-bit vectors (wide ones can lower the clock), so
 Numba's loops there ran on ymm registers, half the width the CPU has. Our kernels are short runs of
-vector work on bytes streaming from memory, where the full width pays: on a 2-core Sapphire Rapids,
-SmolLM2 decode went from 102-106 to 117-124 tok/s. CPUs without AVX-512 are left as Numba sees them.
+vector work on bytes streaming from memory, where the full width pays (docs/LOG.md has the figures).
+CPUs without AVX-512 are left as Numba sees them.
 
 Numba builds its code generator when the first kernel is defined, so the target must be set before
 that: the kernel modules take `njit` from here. NUMBA_CPU_FEATURES, when the user sets it, wins; and

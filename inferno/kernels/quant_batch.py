@@ -8,12 +8,8 @@ single-row kernel, one row after another while the tile is in cache (so every ro
 bit-identical to its matvec); Q8_0 straight from the blocks four rows at a time; the other types
 through a scratch in L1 holding a few dequantized blocks of one tile.
 
-BLAS on dequantized chunks (`QuantizedMatrix.matmul`) does not pay below 16 rows: on one thread, at
-B = 16 the scratch kernel took 1.1 ms for a 3072 x 576 Q4_1 weight (BLAS: 1.5 ms) and 27 ms for the
-49152 x 576 Q8_0 output (BLAS: 28 ms); at B = 8, 0.68 and 17 ms (BLAS: 1.4 and 27 ms), and from the
-blocks 0.53 and 9.7 ms. Over SmolLM2's 30 layers on two threads, B = 8, the integer dots take
-13.4 ms with activations exact to float32 and 6.0 with int8 ones, where the four-row float kernel
-took 15.0-16.2 (B = 2: 4.9, 2.5 and 8.2 ms)."""
+BLAS on dequantized chunks (`QuantizedMatrix.matmul`) does not pay below 16 rows: dequantizing the
+whole weight costs more than the product saves (the measurements are in docs/LOG.md)."""
 
 from __future__ import annotations
 
@@ -101,8 +97,7 @@ def _accumulate_four(x, i, k0, deq, acc):
 # four rows and eight values of each row are loaded into locals before the pass over the lanes, so
 # that loop vectorizes with the row values broadcast (loaded inside it, they might alias acc and LLVM
 # leaves the loop scalar). A block's sum is scaled once per lane, as the single-row kernels of
-# inferno.kernels.quant do. On one thread, B = 8, the 49,152 x 576 Q8_0 output: 17.9 ms dequantizing to a
-# scratch, 9.8 ms from the blocks.
+# inferno.kernels.quant do; reading the blocks directly beats dequantizing to a scratch (docs/LOG.md).
 
 
 @njit(cache=True, fastmath=True)
