@@ -8,14 +8,13 @@ IMPORTED_AT = perf_counter()  # when the first inferno module was imported: a co
 
 # How long the idle workers of our two thread pools busy-wait before sleeping. Both are read when the
 # library loads (OpenMP at Numba's first parallel kernel, OpenBLAS at numpy's import), hence here,
-# before any inferno module imports numpy; a value the user set wins.
+# before any inferno module imports numpy; a value the user set wins (figures: docs/LOG.md).
 # - Numba's OpenMP workers: a decode step launches over a hundred parallel loops microseconds of Python
-#   apart. Sleeping at once (OMP_WAIT_POLICY=PASSIVE) made decode 1.4x slower on a quiet machine,
-#   libgomp's default spin (300,000) up to 10x slower when other processes wanted the cores; 30,000
-#   outlasts the Python between two loops (2-core Xeon: 77-79 tok/s at 1,000, 95-96 at 30,000).
-# - OpenBLAS's workers spin 2^28 ticks (about 0.1 s) after each product by default, holding the cores
-#   that the Numba kernels between a prefill's products need: 2^16 made a 512-token prefill 1.26x faster
-#   (584 -> 734 tok/s; dequantizing the weights for BLAS went 222 -> 55 ms).
+#   apart. Sleeping at once (OMP_WAIT_POLICY=PASSIVE) made decode slower on a quiet machine, libgomp's
+#   default spin (300,000) many times slower when other processes wanted the cores; 30,000 outlasts
+#   the Python between two loops.
+# - OpenBLAS's workers spin about 0.1 s after each product by default, holding the cores that the
+#   Numba kernels between a prefill's products need; 2^16 ticks does not.
 os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
 
