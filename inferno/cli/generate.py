@@ -52,7 +52,7 @@ def split_positionals(args: tuple[str, ...], prompt: str | None = None) -> tuple
     model = args.pop(0) if args and (looks_like_model(args[0]) or len(args) == full) else None
     if prompt is None:
         if not args:
-            raise click.UsageError("missing PROMPT")
+            raise click.UsageError("missing PROMPT (for a conversation: model-chat [MODEL])")
         prompt = args.pop(0)
     if len(args) > 1:
         raise click.UsageError(f"too many arguments: {' '.join(args)}")
