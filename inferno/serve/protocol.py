@@ -63,7 +63,7 @@ class _Sampling(_Schema):
 
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0)] | None = None  # OpenAI's default: 1.0
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None  # OpenAI's range and default (1.0)
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None  # extension (vLLM's): -1 or 0 is off
     seed: int | None = None
