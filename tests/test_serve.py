@@ -282,6 +282,8 @@ def test_bad_requests_get_openai_errors(server, engine):
     assert_error(post(server, chat_path, ok | {"temperature": "hot"}), 400, "temperature")
     assert_error(post(server, chat_path, ok | {"temperature": 2.5}), 400, "temperature")  # OpenAI: 0 to 2
     assert_error(post(server, chat_path, ok | {"stream": 1}), 400, "stream")
+    usage = {"stream_options": {"include_usage": True}}
+    assert_error(post(server, chat_path, ok | usage), 400, "stream_options")  # without stream
     assert_error(post(server, chat_path, ok | {"stop": ["a", "b", "c", "d", "e"]}), 400, "stop")
     assert_error(post(server, chat_path, {"model": MODEL_ID}), 400, "messages")
     assert_error(post(server, chat_path, ok | {"messages": [{"role": "tool", "content": "x"}]}), 400)

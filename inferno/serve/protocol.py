@@ -84,6 +84,8 @@ class _Sampling(_Schema):
                 raise bad_request(f"{name} is not supported by this server (leave it out or 0)", name)
         if self.logit_bias:
             raise bad_request("logit_bias is not supported by this server", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
     @property
     def stops(self) -> tuple[str, ...]:
