@@ -223,6 +223,12 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+# The counts _params reads besides the attention's: whole numbers when present.
+COUNT_KEYS = ("hidden_size", "vocab_size", "intermediate_size", "n_routed_experts", "num_local_experts",
+              "num_experts", "moe_intermediate_size", "n_shared_experts", "shared_expert_intermediate_size",
+              "first_k_dense_replace")
+
+
 def _params(
     c: Config, layers: int, heads: int, kv: tuple[int, ...], head_dim: int, mla: bool
 ) -> Params | None:
@@ -231,9 +237,9 @@ def _params(
     None when a key the count needs is absent: the caller then asks for --weights.
     Biases (Qwen2's q/k/v) are not counted: under 0.01% of any such model.
     """
-    v = c.values
-    hidden, vocab = v.get("hidden_size"), v.get("vocab_size")
-    if not isinstance(hidden, int) or not isinstance(vocab, int):
+    v = {key: c.optional(key) for key in COUNT_KEYS}  # each a whole number or absent, else refused
+    hidden, vocab = v["hidden_size"], v["vocab_size"]
+    if hidden is None or vocab is None:
         return None
     if mla:
         nope, rope = c.positive("qk_nope_head_dim"), c.positive("qk_rope_head_dim")
@@ -265,5 +271,7 @@ def _params(
         return None
     per_layer = [a + m + 2 * hidden for a, m in zip(attention, mlp, strict=True)]
     per_layer[-1] += hidden  # the final norm, on the last stage
-    tied = bool(v.get("tie_word_embeddings", False))
+    tied = c.values.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):
+        raise InfernoError(f"{c.name}: tie_word_embeddings must be true or false, got {_shown(tied)}")
     return Params(vocab * hidden, vocab * hidden, tuple(per_layer), tied)
