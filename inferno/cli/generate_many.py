@@ -14,8 +14,9 @@ from time import perf_counter
 
 from inferno.cli.common import console
 from inferno.cli.display import counting, fmt_bytes
+from inferno.cli.generate import MAX_NEW_TOKENS
 from inferno.errors import InfernoError
-from inferno.model.sampling import Sampler
+from inferno.model.sampling import MIN_TEMPERATURE, Sampler
 from inferno.runtime.engine import Engine
 from inferno.runtime.scheduler import Generation, Request, Scheduler
 
@@ -69,8 +70,12 @@ def parse_line(line: str, where: str, defaults: Defaults) -> dict:
     if line.lstrip().startswith("{"):
         try:
             entry = json.loads(line)
-        except (json.JSONDecodeError, RecursionError, ValueError) as exc:
-            raise InfernoError(f"{where}: not JSON ({getattr(exc, 'msg', type(exc).__name__)})") from None
+        except json.JSONDecodeError as exc:
+            raise InfernoError(f"{where}: not JSON ({exc.msg} at column {exc.colno})") from None
+        except RecursionError:
+            raise InfernoError(f"{where}: not JSON (nested too deeply)") from None
+        except ValueError:  # a number past Python's 4,300-digit int conversion limit
+            raise InfernoError(f"{where}: holds a number too long to read") from None
         if not isinstance(entry, dict):
             raise InfernoError(f"{where}: a JSON line is an object with a \"prompt\"")
         unknown = set(entry) - set(BATCH_OPTIONS)
@@ -84,8 +89,16 @@ def parse_line(line: str, where: str, defaults: Defaults) -> dict:
                 isinstance(value, float) and not math.isfinite(value)):
             kinds = " or ".join(t.__name__ for t in types)
             raise InfernoError(f"{where}: {name} must be a number ({kinds}), got {json.dumps(value)[:40]}")
-    if options["max_new_tokens"] < 1:
-        raise InfernoError(f"{where}: max_new_tokens must be a whole number >= 1")
+    limits = (("max_new_tokens", 1 <= options["max_new_tokens"] <= MAX_NEW_TOKENS,
+               f"from 1 to {MAX_NEW_TOKENS:,}, the most a run can take"),
+              ("temperature", options["temperature"] == 0 or options["temperature"] >= MIN_TEMPERATURE,
+               f"0 (greedy) or from {MIN_TEMPERATURE} up"),
+              ("top_k", options["top_k"] >= 0, "0 (off) or more"),
+              ("top_p", 0 < options["top_p"] <= 1, "in (0, 1]"),
+              ("seed", options["seed"] is None or options["seed"] >= 0, "0 or more"))
+    for name, within, rule in limits:
+        if not within:
+            raise InfernoError(f"{where}: {name} must be {rule}, got {_shown(options[name])}")
     if not isinstance(options["ignore_eos"], bool):
         raise InfernoError(f"{where}: ignore_eos must be true or false")
     stop = options["stop"]
@@ -98,6 +111,13 @@ def parse_line(line: str, where: str, defaults: Defaults) -> dict:
         except UnicodeEncodeError:
             raise InfernoError(f"{where}: holds text that is not valid Unicode (a lone surrogate)") from None
     return options | {"stop": stop}
+
+
+def _shown(value: object) -> str:
+    """A number of a --batch line in a message: a 5,000-digit one as its size."""
+    if isinstance(value, int) and value.bit_length() > 200:
+        return f"a {len(str(value)):,}-digit number" if value.bit_length() < 14_000 else "a huge number"
+    return repr(value)
 
 
 def make_request(engine: Engine, options: dict, seed: int | None) -> Request:
@@ -184,15 +204,16 @@ def _held(scheduler: Scheduler, generations) -> int:
     return sum(g.cache.nbytes for g in generations if g.cache is not None)
 
 
-def pool_tokens(requests: list[Request], max_batch: int) -> int:
-    """A pool the max_batch largest requests fit in together, unshared: it never has to preempt."""
-    need = sorted((len(r.prompt_ids) + r.max_new_tokens for r in requests), reverse=True)
+def pool_tokens(requests: list[Request], max_batch: int, context: int) -> int:
+    """A pool the max_batch largest requests fit in together, unshared: it never has to preempt. A
+    request is counted up to the context (one past it is refused when it is added, not allocated for)."""
+    need = sorted((min(len(r.prompt_ids) + r.max_new_tokens, context) for r in requests), reverse=True)
     return sum(need[:max_batch])
 
 
 def scheduler_for(engine: Engine, cache: Cache, requests: list[Request], max_batch: int) -> Scheduler:
     if cache.kv == "paged":
-        tokens = pool_tokens(requests, max_batch)
+        tokens = pool_tokens(requests, max_batch, engine.config.context_length)
         return engine.scheduler("paged", cache.kv_dtype, max_batch, pool_tokens=tokens, **cache.options)
     return engine.scheduler(cache.kv, cache.kv_dtype, max_batch, **cache.options)
 
