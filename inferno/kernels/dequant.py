@@ -118,8 +118,8 @@ def _packed_value(words, b, quads, planes, high_bits, k, q, c, i, half):
 
 
 @njit(cache=True)
-def _deq_packed(w, r0, r1, out, kind, per, quads, stride, high_bits, planes):
-    """The packed types (inferno.nibble_dots.PACKED; its fields after kind), from their tiles."""
+def _deq_packed(w, r0, r1, out, qtype, per, quads, stride, high_bits, planes):
+    """The packed types (inferno.nibble_dots.PACKED; its fields after qtype), from their tiles."""
     words = w.view(np.uint32)
     n = words.shape[2]
     for b in range(w.shape[0]):
@@ -131,34 +131,34 @@ def _deq_packed(w, r0, r1, out, kind, per, quads, stride, high_bits, planes):
                         d = f16(w, b, 0, r)
                         for half in range(2):
                             e = 32 * (per * b + j) + 16 * half + 4 * k
-                            if kind == Q4_K:
+                            if qtype == Q4_K:
                                 dl = d * np.float32(w[b, 4 + j, r])
                                 ml = f16(w, b, 2, r) * np.float32(w[b, 12 + j, r])
-                            elif kind == Q6_K:
+                            elif qtype == Q6_K:
                                 dl = d * np.float32(np.int8(w[b, 2 + 2 * j + half, r]))
                             for i in range(4):
                                 v = _packed_value(words, b, quads + stride * j, planes + stride * j,
                                                   high_bits, k, q, c, i, half)
-                                if kind == Q4_0:
+                                if qtype == Q4_0:
                                     out[e + i, r - r0] = d * np.float32(v - 8)
-                                elif kind == Q4_1:
+                                elif qtype == Q4_1:
                                     out[e + i, r - r0] = d * np.float32(v) + f16(w, b, 2, r)
-                                elif kind == Q5_0:
+                                elif qtype == Q5_0:
                                     out[e + i, r - r0] = d * np.float32(v - 16)
-                                elif kind == Q4_K:
+                                elif qtype == Q4_K:
                                     out[e + i, r - r0] = dl * np.float32(v) - ml
                                 else:
                                     out[e + i, r - r0] = dl * np.float32(v - 32)
 
 
-def _packed_dequantizer(kind: int):
+def _packed_dequantizer(qtype: int):
     """_deq_packed for one packed type, its Packing's fields closure constants (cached as module
     functions are)."""
-    per, quads, stride, high_bits, planes = PACKED[kind]
+    per, quads, stride, high_bits, planes = PACKED[qtype]
 
     @njit(cache=True)
     def dequantize(w, r0, r1, out):
-        _deq_packed(w, r0, r1, out, kind, per, quads, stride, high_bits, planes)
+        _deq_packed(w, r0, r1, out, qtype, per, quads, stride, high_bits, planes)
 
     return dequantize
 
@@ -205,15 +205,15 @@ def _deq_q5_k(w, r0, r1, out):
 
 
 DEQUANTIZE = {F32: _deq_f32, F16: _deq_f16, BF16: _deq_bf16, Q8_0: _deq_q8_0, Q5_1: _deq_q5_1,
-              Q5_K: _deq_q5_k} | {kind: _packed_dequantizer(kind) for kind in PACKED}
+              Q5_K: _deq_q5_k} | {qtype: _packed_dequantizer(qtype) for qtype in PACKED}
 
 
-def dequantize_tile(kind, w, r0, r1, out):
+def dequantize_tile(qtype, w, r0, r1, out):
     """Dequantize lanes [r0, r1) of tile w into out[col, lane - r0] (dispatch stub, see the overload)."""
     raise NotImplementedError
 
 
 @overload(dequantize_tile, prefer_literal=True)
-def _dequantize_tile_impl(kind, w, r0, r1, out):
-    deq = DEQUANTIZE[kind.literal_value]
-    return lambda kind, w, r0, r1, out: deq(w, r0, r1, out)
+def _dequantize_tile_impl(qtype, w, r0, r1, out):
+    deq = DEQUANTIZE[qtype.literal_value]
+    return lambda qtype, w, r0, r1, out: deq(w, r0, r1, out)

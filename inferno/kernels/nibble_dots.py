@@ -157,20 +157,20 @@ PACKED = {
 
 
 @njit(cache=True)
-def sums_size(kind, blocks):
+def sums_size(qtype, blocks):
     """How many sums of x a type's dots take (see integer_activations)."""
-    return 2 * blocks if kind == Q6_K else blocks
+    return 2 * blocks if qtype == Q6_K else blocks
 
 
 @njit(cache=True)
-def integer_activations(x, parts, scale, sums, kind):
-    """x float32[cols] split for the integer dots of `kind`: parts and each block's scale
+def integer_activations(x, parts, scale, sums, qtype):
+    """x float32[cols] split for the integer dots of `qtype`: parts and each block's scale
     (split_activations), and sums float32[sums_size]: each block's sum of x, or for Q8_0 of part 0
     (its dots take back 128 times it), or for Q6_K of every 16 values (its offset of 32)."""
     split_activations(x, parts, scale, sums[: scale.size])
-    if kind == Q8_0:
+    if qtype == Q8_0:
         first_part_sums(parts, sums)
-    elif kind == Q6_K:
+    elif qtype == Q6_K:
         half_sums(x, sums)
 
 
@@ -186,10 +186,10 @@ def half_sums(x, out):
 
 
 @intrinsic
-def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, kind, n_parts):
+def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, qtype, n_parts):
     """acc[i, g + l] += what weight row g + l of block b of tile w (uint8[block, byte, lane]) adds to
     the product with every activation row i, for 16 rows l, from the integer dots of the block's
-    weights with parts[i] (int8[rows, n_parts, cols]); kind (the GGML type) and n_parts are
+    weights with parts[i] (int8[rows, n_parts, cols]); qtype (the GGML type) and n_parts are
     compile-time constants, all arrays C-contiguous. b counts blocks of 32 values (a K-quant block of
     the tile holds eight, see PACKED).
 
@@ -208,12 +208,12 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, kind, n_parts):
         return None
     if (w.ndim, parts.ndim, scale.ndim, sums.ndim, acc.ndim) != (3, 3, 2, 2, 2):
         return None
-    if not all(isinstance(v, types.IntegerLiteral) for v in (kind, n_parts)):
+    if not all(isinstance(v, types.IntegerLiteral) for v in (qtype, n_parts)):
         return None
-    kind_, count = kind.literal_value, n_parts.literal_value
-    if not ((kind_ in PACKED and count in ACTIVATIONS.values()) or (kind_ == Q8_0 and count == 1)):
+    qtype_, count = qtype.literal_value, n_parts.literal_value
+    if not ((qtype_ in PACKED and count in ACTIVATIONS.values()) or (qtype_ == Q8_0 and count == 1)):
         return None
-    sig = types.void(w, b, g, parts, scale, sums, acc, kind, n_parts)
+    sig = types.void(w, b, g, parts, scale, sums, acc, qtype, n_parts)
 
     def codegen(context, builder, signature, args):
         vnni = has_vnni()
@@ -236,7 +236,7 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, kind, n_parts):
         def const(value: int) -> ir.Constant:
             return ir.Constant(lanes.type, value)
 
-        packing = PACKED.get(kind_, Packing(1, 2, 32, 0, 0))
+        packing = PACKED.get(qtype_, Packing(1, 2, 32, 0, 0))
         per = packing.sub_blocks
         stored, sub = (b_v, const(0))
         if per > 1:  # b's block of the tile, and which of its sub-blocks
@@ -273,7 +273,7 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, kind, n_parts):
         d = half_lanes(0)
         m = half_sums_scale = None
         weights = []  # (16 rows' 4 unsigned bytes as <16 x i32>, the first of the 4 values they hold)
-        if kind_ == Q8_0:
+        if qtype_ == Q8_0:
             offset = constant(_BYTE, [128] * 4 * LANES)
             for k in range(8):  # values 4k..4k+3, one byte row each, interleaved into quads
                 four = [tile_bytes(2 + 4 * k + v, g_v, bytes16) for v in range(4)]
@@ -284,13 +284,13 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, kind, n_parts):
                     _INT, [16 * v + lane for lane in range(LANES) for v in range(4)]))
                 weights.append((builder.bitcast(builder.add(quad, offset), ints), 4 * k))
         else:
-            if kind_ == Q4_K:
+            if qtype_ == Q4_K:
                 m = builder.fneg(builder.fmul(half_lanes(2), byte_lanes(builder.add(const(12), sub))))
                 d = builder.fmul(d, byte_lanes(builder.add(const(4), sub)))
-            elif kind_ == Q6_K:  # the two halves' int8 scales, at rows 2 + 2j and 3 + 2j
+            elif qtype_ == Q6_K:  # the two halves' int8 scales, at rows 2 + 2j and 3 + 2j
                 half_sums_scale = [byte_lanes(builder.add(const(2 + h), builder.mul(sub, const(2))), True)
                                    for h in range(2)]
-            elif kind_ == Q4_1:
+            elif qtype_ == Q4_1:
                 m = half_lanes(2)
             else:  # Q4_0, Q5_0: q - 8, q - 16
                 m = builder.fmul(d, ir.Constant(floats, [-8.0 if packing.high_bits == 0 else -16.0] * LANES))

@@ -55,12 +55,12 @@ FUSED = (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q4_K, QType.Q6_K)
 K_SUB_BLOCKS = PACKED[Q4_K].sub_blocks
 
 
-def integer_parts(kind: int, activations: str) -> int:
+def integer_parts(qtype: int, activations: str) -> int:
     """How many int8 parts a matvec of this type splits x into under `activations` (see
     nibble_dots.ACTIVATIONS); 0: it multiplies in float32. The 4-bit types always take integers (four
     parts keep float32's precision); Q8_0 only with one part ("int8"), where they pay."""
     parts = ACTIVATIONS[activations]
-    return parts if kind in PACKED or (kind == Q8_0 and parts == 1) else 0
+    return parts if qtype in PACKED or (qtype == Q8_0 and parts == 1) else 0
 
 _matmul_scratch = np.empty(0, np.float32)  # grown on demand, shared by all matrices
 
@@ -216,8 +216,8 @@ def _check_supported(tensor: gguf.ReaderTensor) -> QType:
     except ValueError:
         qtype = None
     if qtype not in SUPPORTED:
-        kind = qtype.name if qtype is not None else f"#{int(tensor.tensor_type)}"
-        raise InfernoError(f"tensor {tensor.name}: type {kind} is not supported "
+        name = qtype.name if qtype is not None else f"#{int(tensor.tensor_type)}"
+        raise InfernoError(f"tensor {tensor.name}: type {name} is not supported "
                            f"(supported: {', '.join(t.name for t in SUPPORTED)})")
     return qtype
 
@@ -259,8 +259,8 @@ def _read_tiles(tensor: gguf.ReaderTensor, rows: int, tiles: np.ndarray) -> None
     Read from the file a few tiles at a time rather than through the reader's memory map: pages touched
     in the map would stay resident next to the repacked copy, doubling the model's memory."""
     ntiles, nblocks, _, lanes = tiles.shape
-    kind = int(tensor.tensor_type)
-    type_size = gguf.GGML_QUANT_SIZES[QType(kind)][1]  # the file's
+    qtype = int(tensor.tensor_type)
+    type_size = gguf.GGML_QUANT_SIZES[QType(qtype)][1]  # the file's
     row_bytes = nblocks * type_size
     step = max(1, LOAD_CHUNK_BYTES // (lanes * row_bytes))  # tiles per read
     with _open_tensor_bytes(tensor) as f:
@@ -270,7 +270,7 @@ def _read_tiles(tensor: gguf.ReaderTensor, rows: int, tiles: np.ndarray) -> None
             chunk = np.zeros(n * lanes * row_bytes, np.uint8)
             if f.readinto(memoryview(chunk)[:want]) != want:
                 raise InfernoError(f"tensor {tensor.name}: file ends inside the tensor's data")
-            repack(chunk.reshape(n * lanes, nblocks, type_size), tiles[t : t + n], kind)
+            repack(chunk.reshape(n * lanes, nblocks, type_size), tiles[t : t + n], qtype)
 
 
 def _open_tensor_bytes(tensor: gguf.ReaderTensor) -> BinaryIO:
@@ -309,16 +309,16 @@ def _dot_q8_0(w, x, xs, acc, s):
 
 
 @njit(cache=True, fastmath=True)
-def _dot_integer(w, parts, scale, sums, acc, kind, n_parts):
+def _dot_integer(w, parts, scale, sums, acc, qtype, n_parts):
     """acc[i, lane] += row lane of tile w . x_i for each row i of x, from x_i's n_parts int8 parts, each
     block's scale and its sums (inferno.kernels.nibble_dots.quant_dots): parts [rows, n_parts, cols], scale
-    and sums [rows, blocks]; kind and n_parts compile-time constants."""
-    per = K_SUB_BLOCKS if kind in (Q4_K, Q6_K) else 1  # blocks of 32 values per block of the tile
+    and sums [rows, blocks]; qtype and n_parts compile-time constants."""
+    per = K_SUB_BLOCKS if qtype in (Q4_K, Q6_K) else 1  # blocks of 32 values per block of the tile
     for b in range(scale.shape[1]):  # blocks of 32 values
         if b % per == 0:
             prefetch_ahead(w, b // per)
         for g in range(0, acc.shape[1], NIBBLE_LANES):
-            quant_dots(w, b, g, parts, scale, sums, acc, kind, n_parts)
+            quant_dots(w, b, g, parts, scale, sums, acc, qtype, n_parts)
 
 
 _DOT = {Q8_0: _dot_q8_0}
@@ -326,13 +326,13 @@ assert set(_DOT) | set(PACKED) == {int(t) for t in FUSED}
 
 
 # ---------------------------------------------------------------------------------------------------
-# Dispatch. The drivers below are built per type by `_matvec(kind, n_parts)` and `_kernels(kind)`, with
-# `kind` and `n_parts` closure constants: Numba sees them as literals, so these typing-time dispatchers
+# Dispatch. The drivers below are built per type by `_matvec(qtype, n_parts)` and `_kernels(qtype)`, with
+# `qtype` and `n_parts` closure constants: Numba sees them as literals, so these typing-time dispatchers
 # pick one type's functions and only those get compiled. (Closures over plain ints are cached like
 # module functions; closures over dispatchers would not be, hence the indirection.)
 
 
-def _tile_dot(kind, w, x, xq, acc, work, n_parts):
+def _tile_dot(qtype, w, x, xq, acc, work, n_parts):
     """acc = tile w @ x (dispatch stub, resolved by the overload below). xq: what every tile uses of x
     (its block sums, or for Q8_0 in integers its part sums; with integer dots its int8 parts and block
     scales); work: one thread's scratch (float32[4, lanes], and for unfused types float32[cols,
@@ -341,28 +341,28 @@ def _tile_dot(kind, w, x, xq, acc, work, n_parts):
 
 
 @overload(_tile_dot, prefer_literal=True)
-def _tile_dot_impl(kind, w, x, xq, acc, work, n_parts):
+def _tile_dot_impl(qtype, w, x, xq, acc, work, n_parts):
     if n_parts.literal_value:
-        type_, count = kind.literal_value, n_parts.literal_value
+        type_, count = qtype.literal_value, n_parts.literal_value
 
-        def integer(kind, w, x, xq, acc, work, n_parts):
+        def integer(qtype, w, x, xq, acc, work, n_parts):
             zero(acc)
             sums, parts, scale = xq
             _dot_integer(w, parts.reshape(1, parts.shape[0], parts.shape[1]), scale.reshape(1, scale.size),
                          sums.reshape(1, sums.size), acc.reshape(1, acc.size), type_, count)
 
         return integer
-    if kind.literal_value in _DOT:
-        dot = _DOT[kind.literal_value]
+    if qtype.literal_value in _DOT:
+        dot = _DOT[qtype.literal_value]
 
-        def fused(kind, w, x, xq, acc, work, n_parts):
+        def fused(qtype, w, x, xq, acc, work, n_parts):
             zero(acc)
             dot(w, x, xq[0], acc, work[0])
 
         return fused
-    deq = DEQUANTIZE[kind.literal_value]
+    deq = DEQUANTIZE[qtype.literal_value]
 
-    def dequantized(kind, w, x, xq, acc, work, n_parts):
+    def dequantized(qtype, w, x, xq, acc, work, n_parts):
         scratch = work[1]
         deq(w, 0, acc.size, scratch)
         zero(acc)
@@ -374,19 +374,19 @@ def _tile_dot_impl(kind, w, x, xq, acc, work, n_parts):
 
 
 @functools.cache
-def _matvec(kind: int, n_parts: int) -> Callable:
+def _matvec(qtype: int, n_parts: int) -> Callable:
     """The matvec of one type, with x split into n_parts int8 parts (0: float32; see integer_parts)."""
-    fused, integer = kind in _DOT or n_parts > 0, n_parts > 0
+    fused, integer = qtype in _DOT or n_parts > 0, n_parts > 0
 
     @njit(cache=True, parallel=True, fastmath=True)
     def matvec(tiles, x, out, nchunks):
         ntiles, lanes = tiles.shape[0], tiles.shape[3]
         nblocks = x.size // 32  # the float types' rows need not be whole blocks; they ignore xq
-        xs = np.zeros(sums_size(kind, nblocks), np.float32)
+        xs = np.zeros(sums_size(qtype, nblocks), np.float32)
         parts = np.empty((n_parts, x.size if integer else 0), np.int8)
         scale = np.empty(nblocks if integer else 0, np.float32)
         if integer:
-            integer_activations(x, parts, scale, xs, kind)
+            integer_activations(x, parts, scale, xs, qtype)
         else:
             for b in range(nblocks):
                 for j in range(32):
@@ -397,7 +397,7 @@ def _matvec(kind: int, n_parts: int) -> Callable:
             work = (np.empty((4, lanes), np.float32),
                     np.empty((0 if fused else x.size, lanes), np.float32))
             for t in range(c * ntiles // nchunks, (c + 1) * ntiles // nchunks):
-                _tile_dot(kind, tiles[t], x, (xs, parts, scale), acc, work, n_parts)
+                _tile_dot(qtype, tiles[t], x, (xs, parts, scale), acc, work, n_parts)
                 for r in range(min(lanes, out.size - t * lanes)):
                     out[t * lanes + r] = acc[r]
 
@@ -410,7 +410,7 @@ class _Kernels(NamedTuple):
 
 
 @functools.cache
-def _kernels(kind: int) -> _Kernels:
+def _kernels(qtype: int) -> _Kernels:
     @njit(cache=True)
     def dequantize_rows(tiles, ids, out):
         """out[k] = row ids[k]; runs of consecutive ids within a tile are done together."""
@@ -422,7 +422,7 @@ def _kernels(kind: int) -> _Kernels:
             n = 1
             while k + n < ids.size and ids[k + n] == ids[k] + n and r + n < lanes:
                 n += 1
-            dequantize_tile(kind, tiles[t], r, r + n, scratch)
+            dequantize_tile(qtype, tiles[t], r, r + n, scratch)
             for i in range(n):
                 for c in range(out.shape[1]):
                     out[k + i, c] = scratch[c, i]
@@ -438,7 +438,7 @@ def _kernels(kind: int) -> _Kernels:
         for c in prange(nchunks):
             scratch = np.empty((cols, lanes), np.float32)
             for t in range(c * ntiles // nchunks, (c + 1) * ntiles // nchunks):
-                dequantize_tile(kind, tiles[t], 0, lanes, scratch)
+                dequantize_tile(qtype, tiles[t], 0, lanes, scratch)
                 for col in range(cols):
                     src, dst = scratch[col], out_t[col, t * lanes : (t + 1) * lanes]
                     for r in range(lanes):

@@ -38,12 +38,12 @@ def batch_matmul(matrix: QuantizedMatrix, x: np.ndarray) -> np.ndarray:
         raise ValueError(f"{matrix.name}: batch_matmul needs x of shape (B, {matrix.cols}), got {x.shape}")
     if x.shape[0] == 1:
         return matrix.matmul(x)
-    n_rows, kind = x.shape[0], int(matrix.qtype)
-    n_parts = integer_parts(kind, matrix.activations)
-    if kind == Q8_0 and not n_parts and n_rows % 4:  # whole groups of four rows; zero rows pad
+    n_rows, qtype = x.shape[0], int(matrix.qtype)
+    n_parts = integer_parts(qtype, matrix.activations)
+    if qtype == Q8_0 and not n_parts and n_rows % 4:  # whole groups of four rows; zero rows pad
         x = np.concatenate([x, np.zeros((4 - n_rows % 4, x.shape[1]), np.float32)])
     out = np.empty((x.shape[0], matrix.rows), np.float32)
-    _batch_kernel(kind, n_parts)(matrix._tiles, x, out, numba.config.NUMBA_NUM_THREADS)
+    _batch_kernel(qtype, n_parts)(matrix._tiles, x, out, numba.config.NUMBA_NUM_THREADS)
     return out[:n_rows]
 
 
@@ -134,11 +134,11 @@ def _four_rows_q8_0(w, x, i, acc):
 
 
 @functools.cache
-def _batch_kernel(kind: int, n_parts: int) -> Callable:
+def _batch_kernel(qtype: int, n_parts: int) -> Callable:
     """The batched product of one type (n_parts: how many int8 parts x is split into, 0: float32)."""
     if n_parts:
-        return _integer_kernel(kind, n_parts)
-    if kind == Q8_0:
+        return _integer_kernel(qtype, n_parts)
+    if qtype == Q8_0:
         return _q8_0_kernel()
 
     @njit(cache=True, parallel=True, fastmath=True)
@@ -155,7 +155,7 @@ def _batch_kernel(kind: int, n_parts: int) -> Callable:
                 acc[:] = 0.0
                 for b0 in range(0, nblocks, group):
                     b1 = min(b0 + group, nblocks)
-                    dequantize_tile(kind, tiles[t, b0:b1], 0, lanes, deq)
+                    dequantize_tile(qtype, tiles[t, b0:b1], 0, lanes, deq)
                     k0, k1 = b0 * per_block, b1 * per_block
                     four = n_rows - n_rows % 4 if (k1 - k0) % 8 == 0 else 0
                     for i in range(0, four, 4):
@@ -190,7 +190,7 @@ def _q8_0_kernel() -> Callable:
 
 
 @functools.cache
-def _integer_kernel(kind: int, n_parts: int) -> Callable:
+def _integer_kernel(qtype: int, n_parts: int) -> Callable:
     @njit(cache=True, parallel=True, fastmath=True)
     def matmul_rows(tiles, x, out, nchunks):
         """Q4_0, Q4_1, Q4_K (or Q8_0 with one part): each row of x split into int8 parts once, then, tile by
@@ -201,15 +201,15 @@ def _integer_kernel(kind: int, n_parts: int) -> Callable:
         nblocks = cols // 32  # blocks of x's values (a Q4_K block of the tiles holds eight)
         parts = np.empty((n_rows, n_parts, cols), np.int8)
         scale = np.empty((n_rows, nblocks), np.float32)
-        xs = np.empty((n_rows, sums_size(kind, nblocks)), np.float32)
+        xs = np.empty((n_rows, sums_size(qtype, nblocks)), np.float32)
         for i in range(n_rows):
-            integer_activations(x[i], parts[i], scale[i], xs[i], kind)
+            integer_activations(x[i], parts[i], scale[i], xs[i], qtype)
         nchunks = min(ntiles, nchunks)
         for c in prange(nchunks):  # one run of tiles per thread
             acc = np.empty((n_rows, lanes), np.float32)
             for t in range(c * ntiles // nchunks, (c + 1) * ntiles // nchunks):
                 acc[:] = 0.0
-                _dot_integer(tiles[t], parts, scale, xs, acc, kind, n_parts)
+                _dot_integer(tiles[t], parts, scale, xs, acc, qtype, n_parts)
                 for i in range(n_rows):
                     for r in range(min(lanes, out.shape[1] - t * lanes)):
                         out[i, t * lanes + r] = acc[i, r]

@@ -20,7 +20,7 @@ _QS_Q4_0, _QS_Q4_1 = PACKED[Q4_0].quads, PACKED[Q4_1].quads
 
 
 @njit(cache=True, parallel=True)
-def repack(raw, tiles, kind):
+def repack(raw, tiles, qtype):
     """raw uint8[tiles * lanes rows, blocks, file bytes] -> tiles uint8[tile, block, tile bytes, lane]."""
     ntiles, nblocks, _, lanes = tiles.shape
     for t in prange(ntiles):
@@ -29,13 +29,13 @@ def repack(raw, tiles, kind):
             for lane in range(lanes):
                 src = raw[t * lanes + lane, b]
                 at = (lane * 4 // lanes, lane * 4 % lanes)  # where the lane's words start (see _put)
-                if kind in (Q4_0, Q4_1):
-                    _q4(src, dst, lane, at, _QS_Q4_1 if kind == Q4_1 else _QS_Q4_0)
-                elif kind == Q5_0:
+                if qtype in (Q4_0, Q4_1):
+                    _q4(src, dst, lane, at, _QS_Q4_1 if qtype == Q4_1 else _QS_Q4_0)
+                elif qtype == Q5_0:
                     _q5_0(src, dst, lane, at)
-                elif kind == Q4_K:
+                elif qtype == Q4_K:
                     _q4_k(src, dst, lane, at)
-                elif kind == Q6_K:
+                elif qtype == Q6_K:
                     _q6_k(src, dst, lane, at)
                 else:
                     for p in range(src.size):
