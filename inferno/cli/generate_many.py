@@ -204,10 +204,11 @@ def _held(scheduler: Scheduler, generations) -> int:
     return sum(g.cache.nbytes for g in generations if g.cache is not None)
 
 
-def pool_tokens(requests: list[Request], max_batch: int, context: int) -> int:
+def pool_tokens(requests: list[Request], max_batch: int, context: int | None = None) -> int:
     """A pool the max_batch largest requests fit in together, unshared: it never has to preempt. A
     request is counted up to the context (one past it is refused when it is added, not allocated for)."""
-    need = sorted((min(len(r.prompt_ids) + r.max_new_tokens, context) for r in requests), reverse=True)
+    most = context or 2**62
+    need = sorted((min(len(r.prompt_ids) + r.max_new_tokens, most) for r in requests), reverse=True)
     return sum(need[:max_batch])
 
 
