@@ -26,6 +26,7 @@ from inferno.cli.common import (
     model_file,
     progress_on,
     read_template,
+    release_notes,
     run,
     script,
     set_threads,
@@ -162,6 +163,7 @@ def command(model, system, template_file, max_new, kv, kv_dtype, max_context, te
     engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], template=template)  # has one?
     context = min(max_context or engine.config.context_length, engine.config.context_length)
     cache = engine.make_cache(kv, 1, context - 1, context, kv_dtype)
+    release_notes()  # the session has begun
     interactive = sys.stdin.isatty()
     if interactive:
         err.print(f"chatting with {engine.path} ({', '.join(COMMANDS)}; Ctrl-D leaves)", style="dim")

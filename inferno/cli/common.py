@@ -28,9 +28,31 @@ MODEL_FILES = {"smollm2": DEFAULT_MODEL, "gemma3": Path("models") / "gemma-3-270
 
 
 def fail(prog: str, message: str) -> NoReturn:
+    global _notes
+    _notes = None  # a refusal is the one line: notes held from the start-up are dropped
     first_line = message.strip().splitlines()[0] if message.strip() else "failed"
     say(f"{prog}: error: {first_line}")
     sys.exit(EXIT_BAD_INPUT)
+
+
+_notes: list[str] | None = None  # notes held while a command starts (None: each said at once)
+
+
+def note(message: str) -> None:
+    """`note: message` on stderr; inside run() held until the command's work begins (release_notes),
+    so that input refused after the model loaded is still one line, not a note about threads and it."""
+    if _notes is not None:
+        _notes.append(message)
+    else:
+        say(f"note: {message}")
+
+
+def release_notes() -> None:
+    """Say the notes held since the command started, and from now on each at once."""
+    global _notes
+    held, _notes = _notes or [], None
+    for message in held:
+        say(f"note: {message}")
 
 
 def say(line: str) -> None:
@@ -109,7 +131,9 @@ def run(command: click.Command, prog: str) -> None:
     Ctrl-C exits 130 and SIGTERM 143, each with one line; a closed stdout is one line, exit 2."""
     if sys.stdout is None:  # started with fd 1 closed: writes fail with one line, not AttributeError
         sys.stdout = io.TextIOWrapper(io.BufferedWriter(_ClosedOutput()), line_buffering=True)
+    global _notes
     _signalled.clear()
+    _notes = []
     try:
         previous = signal.signal(signal.SIGTERM, _terminate)
     except ValueError:  # not the main thread: leave signals alone
@@ -149,6 +173,7 @@ def run(command: click.Command, prog: str) -> None:
     except MemoryError:
         fail(prog, "out of memory: ask for less (a shorter prompt or context, fewer samples)")
     finally:
+        release_notes()  # (none after a refusal)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
@@ -277,7 +302,7 @@ def set_threads(threads: int | None, measured: bool = True) -> None:
     settings), uses them all. (How long idle workers spin is set in inferno/__init__.py.)"""
     from inferno.runtime.threads import GOVERNOR
 
-    GOVERNOR.notice = lambda message: say(f"note: {message}")
+    GOVERNOR.notice = note
     if threads is None:
         GOVERNOR.fix(None if measured else GOVERNOR.most)
         return

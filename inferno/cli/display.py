@@ -212,8 +212,9 @@ def fidelity_table(rows: Sequence[dict], source: str, tokens: int) -> Group:
 @contextmanager
 def counting(err, total: int, what: str) -> Iterator[Callable[[int], None]]:
     """A progress bar of `what` (e.g. "requests finished") out of `total` on the stderr console `err`,
-    gone when done; None (--quiet, --json): no bar. Yields advance(n)."""
-    if err is None or err.quiet:
+    gone when done; None (--quiet, --json) or not a terminal: no bar (rich ends a bar in a file or pipe
+    with an empty line, which would stand before a refusal's one line). Yields advance(n)."""
+    if err is None or err.quiet or not err.is_terminal:
         yield lambda _n: None
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

@@ -23,6 +23,7 @@ from inferno.cli.common import (
     progress_on,
     quiet_option,
     read_template,
+    release_notes,
     require_stdout,
     run,
     script,
@@ -393,6 +394,7 @@ def check_bounds(engine, prompt: str, chat: bool, system: str | None, max_new: i
 
 def show(piece: str, as_json: bool) -> None:
     """Stream generated text to stdout as it comes (in --json mode it is only in the object)."""
+    release_notes()  # the run has begun: a note held from the start-up is now worth reading
     if piece and not as_json:
         print(piece, end="", flush=True)
 

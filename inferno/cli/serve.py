@@ -23,6 +23,7 @@ from inferno.cli.common import (
     check_activations,
     model_file,
     read_template,
+    release_notes,
     run,
     script,
     set_threads,
@@ -190,6 +191,7 @@ def command(model, host, port, kv, kv_dtype, block_size, cache_memory, max_batch
         + ("--chat-template" if template else "the model's" if has_model_template else "none (chat refused)"))
     server = _server(app, sock, access_log, loop)
     loop.start()
+    release_notes()
     say(f"listening on {url_of(sock)} (OpenAI API under /v1)" + (", API key required" if api_key else ""))
     try:
         server.run(sockets=[sock])
