@@ -44,6 +44,10 @@ PROG = "kv-perplexity"
 def command(model, text_file, window, sinks, threads, as_json, quiet):
     """Perplexity of a text teacher-forced through the full cache (prealloc) and a window cache with
     each way of handling positions: what the window costs in quality, and the memory it saves."""
+    if window < 1:
+        raise InfernoError(f"--window must be at least 1, got {window:,}")
+    if not 0 <= sinks < window:
+        raise InfernoError(f"--sinks must be from 0 to fewer than --window {window:,}, got {sinks:,}")
     set_threads(threads)
     try:
         text = Path(text_file).read_text(encoding="utf-8")
