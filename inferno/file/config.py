@@ -78,12 +78,12 @@ class ModelConfig:
             supported = ", ".join(ARCHITECTURES)
             raise InfernoError(f"unsupported architecture {arch!r} (supported: {supported})")
 
-        def value(key: str, kind: type, default=None):
-            found = metadata(reader, f"{arch}.{key}", kind=kind)
+        def value(key: str, expected: type, default=None):
+            found = metadata(reader, f"{arch}.{key}", expected=expected)
             return default if found is None else found
 
-        def need(key: str, kind: type = int):
-            found = value(key, kind)
+        def need(key: str, expected: type = int):
+            found = value(key, expected)
             if found is None:
                 raise InfernoError(f"GGUF metadata is missing {arch}.{key}")
             return found
@@ -149,8 +149,8 @@ class ModelConfig:
             rms_eps=need("attention.layer_norm_rms_epsilon", float),
             context_length=size("context_length", info.context_length),
             tied_embeddings="output.weight" not in tensors,
-            bos_id=metadata(reader, "tokenizer.ggml.bos_token_id", kind=int),
-            eos_id=metadata(reader, "tokenizer.ggml.eos_token_id", kind=int),
+            bos_id=metadata(reader, "tokenizer.ggml.bos_token_id", expected=int),
+            eos_id=metadata(reader, "tokenizer.ggml.eos_token_id", expected=int),
             **ARCHITECTURES[arch],
             **extra,
         )

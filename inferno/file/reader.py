@@ -88,10 +88,10 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
     return reader
 
 
-def metadata(reader: GGUFReader, key: str, default: Any = None, kind: type | None = None) -> Any:
+def metadata(reader: GGUFReader, key: str, default: Any = None, expected: type | None = None) -> Any:
     """The value stored under `key` (a Python scalar, str or list), or `default` when absent.
 
-    kind (int, float, str or bool): the type the value must have; an int is accepted as a float.
+    expected (int, float, str or bool): the type the value must have; an int is accepted as a float.
     """
     field = reader.get_field(key)
     if field is None:
@@ -100,16 +100,16 @@ def metadata(reader: GGUFReader, key: str, default: Any = None, kind: type | Non
         value = field.contents()
     except UnicodeDecodeError:
         raise InfernoError(f"GGUF metadata {key} holds text that is not valid UTF-8") from None
-    if kind is None:
+    if expected is None:
         return value
-    accepted = (int, float) if kind is float else kind
-    if not isinstance(value, accepted) or (isinstance(value, bool) and kind is not bool):
-        raise InfernoError(f"GGUF metadata {key} should be {KIND_NAMES[kind]}, not {_describe(value)}")
-    return kind(value)
+    accepted = (int, float) if expected is float else expected
+    if not isinstance(value, accepted) or (isinstance(value, bool) and expected is not bool):
+        raise InfernoError(f"GGUF metadata {key} should be {TYPE_NAMES[expected]}, not {_describe(value)}")
+    return expected(value)
 
 
-KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
-_KIND_OF_TYPE = {
+TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+_PYTHON_TYPE = {
     **dict.fromkeys((GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
                      GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64),
                     int),
@@ -119,13 +119,13 @@ _KIND_OF_TYPE = {
 
 
 def metadata_list(reader: GGUFReader, key: str, item: type) -> list | None:
-    """The array stored under `key`, whose items must be of kind `item` (int, float, str or bool);
+    """The array stored under `key`, whose items must be of type `item` (int, float, str or bool);
     None when absent. Checked on the array's declared item type, not item by item."""
     field = reader.get_field(key)
     if field is None:
         return None
     types = list(field.types)
-    if types[:1] != [GGUFValueType.ARRAY] or len(types) != 2 or _KIND_OF_TYPE.get(types[1]) is not item:
+    if types[:1] != [GGUFValueType.ARRAY] or len(types) != 2 or _PYTHON_TYPE.get(types[1]) is not item:
         raise InfernoError(f"GGUF metadata {key} should be a list of {item.__name__}, not "
                            f"{'/'.join(t.name.lower() for t in types)}")
     return metadata(reader, key)
@@ -138,7 +138,7 @@ def _describe(value: Any) -> str:
 
 
 def architecture(reader: GGUFReader) -> str:
-    arch = metadata(reader, "general.architecture", kind=str)
+    arch = metadata(reader, "general.architecture", expected=str)
     if arch is None:
         raise InfernoError("GGUF metadata has no general.architecture")
     return arch

@@ -134,7 +134,7 @@ class GGUFTokenizer:
 
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader) -> GGUFTokenizer:
-        model = metadata(reader, "tokenizer.ggml.model", kind=str)
+        model = metadata(reader, "tokenizer.ggml.model", expected=str)
         if model is None:
             raise InfernoError("GGUF has no tokenizer (tokenizer.ggml.model is missing)")
         if model not in ("gpt2", "llama"):
@@ -150,7 +150,7 @@ class GGUFTokenizer:
             raise InfernoError("GGUF tokenizer has a different number of token types than tokens")
 
         def token_id(name: str) -> int | None:
-            value = metadata(reader, f"tokenizer.ggml.{name}_token_id", kind=int)
+            value = metadata(reader, f"tokenizer.ggml.{name}_token_id", expected=int)
             return value if value is not None and 0 <= value < len(tokens) else None
 
         ids = {name: token_id(name) for name in ("bos", "eos", "unknown", "padding", "eot", "eom")}
@@ -165,14 +165,14 @@ class GGUFTokenizer:
             add_bos_default = False
         else:
             tokenizer, pieces = _sentencepiece_tokenizer(reader, tokens, ids["unknown"])
-            byte_values = {i: int(tokens[i][3:5], 16) for i, kind in enumerate(token_types) if kind == BYTE}
+            byte_values = {i: int(tokens[i][3:5], 16) for i, t in enumerate(token_types) if t == BYTE}
             _add_special_tokens(tokenizer, tokens, token_types, set(named.values()), None)
             add_bos_default = True  # llama.cpp's and transformers' default for SentencePiece files
         stop_ids = {i for i in (ids["eos"], ids["eot"], ids["eom"]) if i is not None}
         stop_ids |= {
             i
-            for i, (text, kind) in enumerate(zip(tokens, token_types, strict=True))
-            if kind == CONTROL and text in _END_OF_GENERATION_TEXTS
+            for i, (text, token_type) in enumerate(zip(tokens, token_types, strict=True))
+            if token_type == CONTROL and text in _END_OF_GENERATION_TEXTS
         }
         return cls(
             tokenizer,
@@ -181,11 +181,11 @@ class GGUFTokenizer:
             byte_values=byte_values,
             bos_id=ids["bos"],
             eos_id=ids["eos"],
-            add_bos=metadata(reader, "tokenizer.ggml.add_bos_token", add_bos_default, kind=bool),
-            add_eos=metadata(reader, "tokenizer.ggml.add_eos_token", False, kind=bool),
+            add_bos=metadata(reader, "tokenizer.ggml.add_bos_token", add_bos_default, expected=bool),
+            add_eos=metadata(reader, "tokenizer.ggml.add_eos_token", False, expected=bool),
             stop_ids=frozenset(stop_ids),
             special_tokens={var: tokens[i] for var, i in named.items()},
-            chat_template=metadata(reader, "tokenizer.chat_template", kind=str),
+            chat_template=metadata(reader, "tokenizer.chat_template", expected=str),
         )
 
     def to_state(self) -> tuple[dict, str]:
@@ -305,7 +305,7 @@ class StreamDecoder:
 
 
 def _byte_level_tokenizer(reader: gguf.GGUFReader, tokens: list[str]) -> Tokenizer:
-    pre = metadata(reader, "tokenizer.ggml.pre", "default", kind=str)
+    pre = metadata(reader, "tokenizer.ggml.pre", "default", expected=str)
     if pre not in PRE_TOKENIZER_SPLITS:
         raise InfernoError(
             f"unsupported pre-tokenizer {pre!r} (supported: {', '.join(sorted(PRE_TOKENIZER_SPLITS))})"
@@ -349,7 +349,7 @@ def _sentencepiece_tokenizer(
     better-ranked tokens first (by score; Gemma's by their order in the vocabulary). Returns the
     tokenizer and the pieces as it spells them.
     """
-    gemma = metadata(reader, "general.architecture", kind=str) in _GEMMA_ARCHITECTURES
+    gemma = metadata(reader, "general.architecture", expected=str) in _GEMMA_ARCHITECTURES
     if gemma:  # Gemma writes its runs of spaces as real spaces; they are ▁▁... to the merges
         tokens = [SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
         priority = {token: -i for i, token in enumerate(tokens)}
@@ -368,7 +368,7 @@ def _sentencepiece_tokenizer(
         byte_fallback=True,
     )
     tokenizer = Tokenizer(bpe)
-    add_prefix_space = metadata(reader, "tokenizer.ggml.add_space_prefix", True, kind=bool) and not gemma
+    add_prefix_space = metadata(reader, "tokenizer.ggml.add_space_prefix", True, expected=bool) and not gemma
     tokenizer.normalizer = normalizers.Replace(" ", SPACE)
     steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_prefix_space:  # Llama 2 style: a ▁ before the text (not after special tokens), dropped on decode
@@ -410,13 +410,13 @@ def _add_special_tokens(
     """
     special = [
         AddedToken(token, normalized=False, special=True)
-        for i, (token, kind) in enumerate(zip(tokens, token_types, strict=True))
-        if (kind == CONTROL or i in named) and (alphabet is None or set(token) <= alphabet)
+        for i, (token, token_type) in enumerate(zip(tokens, token_types, strict=True))
+        if (token_type == CONTROL or i in named) and (alphabet is None or set(token) <= alphabet)
     ]
     tokenizer.add_special_tokens(special)
     user_defined = [
         AddedToken(token, normalized=False, special=False)
-        for token, kind in zip(tokens, token_types, strict=True)
-        if kind == USER_DEFINED and tokenizer.token_to_id(token) is not None
+        for token, token_type in zip(tokens, token_types, strict=True)
+        if token_type == USER_DEFINED and tokenizer.token_to_id(token) is not None
     ]
     tokenizer.add_tokens(user_defined)
