@@ -64,6 +64,9 @@ def turn(engine, cache, conversation: Conversation, text: str, max_new: int, sam
     conversation.messages.append({"role": "user", "content": text})
     prompt = engine.tokenizer.apply_chat_template(conversation.messages, template=template)
     ids = engine.tokenizer.encode(prompt)
+    if not ids:
+        conversation.messages.pop()
+        raise InfernoError("the chat template rendered the conversation as no tokens: nothing to answer")
     shared = 0
     for a, b in zip(ids, conversation.held, strict=False):
         if a != b:
@@ -160,7 +163,10 @@ def command(model, system, template_file, max_new, kv, kv_dtype, max_context, te
     sampler = Sampler(temperature, top_k, top_p, seed)
     conversation = Conversation(system)
     conversation.reset()
-    engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], template=template)  # has one?
+    probe = engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], template=template)
+    if not engine.tokenizer.encode(probe):  # (a model without a template is refused by the call itself)
+        source = f"--chat-template {template_file}" if template_file else "the model's chat template"
+        raise InfernoError(f"{source} renders a user message as no tokens: nothing to answer")
     context = min(max_context or engine.config.context_length, engine.config.context_length)
     cache = engine.make_cache(kv, 1, context - 1, context, kv_dtype)
     release_notes()  # the session has begun
