@@ -11,7 +11,7 @@ ifeq ($(MODEL_FILE),)
 $(error unknown MODEL '$(MODEL)' (known: smollm2, gemma3, qwen))
 endif
 
-.PHONY: run serve test fuzz setup model models lint bench clean
+.PHONY: run serve test fuzz fuzz-hostile setup model models lint bench clean
 
 ## run: set up, fetch the model (MODEL=smollm2, gemma3 or qwen) and generate 32 tokens with the prealloc KV cache
 run: setup model
@@ -32,6 +32,12 @@ FUZZ_ENV := NUMBA_BOUNDSCHECK=1 NUMBA_CACHE_DIR=build/numba-boundscheck
 fuzz: setup
 	$(FUZZ_ENV) $(BIN)/python tests/gguf_fuzz.py --cases 1 --workers 1 > /dev/null
 	$(FUZZ_ENV) $(BIN)/python tests/gguf_fuzz.py --cases 5000 --first-seed 100000
+
+## fuzz-hostile: 1,200 generated hostile inputs (--batch lines, config.json files, kv-memcalc flags, chat
+## templates, snapshots, every command's flags and model paths), each a subprocess: one line and exit 2,
+## or a run; never a traceback, a signal, a hang, or a refusal after more than 1 GB
+fuzz-hostile: setup
+	$(BIN)/python tests/hostile_fuzz.py --cases 1200 --seed 1000
 
 setup: $(VENV)/.installed
 
