@@ -22,6 +22,7 @@ from inferno.cli.common import (
     EXIT_INTERRUPTED,
     check_activations,
     model_file,
+    physical_memory,
     read_template,
     release_notes,
     run,
@@ -126,6 +127,10 @@ def command(model, host, port, kv, kv_dtype, block_size, cache_memory, max_batch
     if not 0 <= port <= 65535:
         raise InfernoError(f"--port must be from 0 to 65535, got {port}")
     memory = parse_size(cache_memory)
+    total = physical_memory()
+    if kv == "paged" and total is not None and memory > total:
+        raise InfernoError(f"--cache-memory {cache_memory} is more than this machine's "
+                           f"{total / 2**30:,.1f} GiB of memory")
     template = read_template(chat_template) if chat_template else None
     if api_key is not None and not api_key.strip():
         raise InfernoError("--api-key is empty")

@@ -7,6 +7,8 @@ import mmap
 
 import numpy as np
 
+from inferno.errors import InfernoError
+
 
 def lazy_zeros(shape: tuple[int, ...], dtype: type[np.generic] = np.float32) -> np.ndarray:
     """Zeros in fresh anonymous memory, made resident page by page (4 KiB) as rows are written.
@@ -17,4 +19,10 @@ def lazy_zeros(shape: tuple[int, ...], dtype: type[np.generic] = np.float32) -> 
     """
     count = math.prod(shape)
     itemsize = np.dtype(dtype).itemsize
-    return np.frombuffer(mmap.mmap(-1, max(itemsize * count, 1)), dtype, count).reshape(shape)
+    try:
+        buffer = mmap.mmap(-1, max(itemsize * count, 1))
+    except (OSError, OverflowError) as exc:  # past what the OS maps (ENOMEM), or past a C size
+        reason = getattr(exc, "strerror", None) or "too large"
+        raise InfernoError(f"cannot reserve {itemsize * count / 2**30:,.1f} GiB for the KV cache: "
+                           f"{reason.lower()}") from None
+    return np.frombuffer(buffer, dtype, count).reshape(shape)
