@@ -63,7 +63,12 @@ def turn(engine, cache, conversation: Conversation, text: str, max_new: int, sam
 
     conversation.messages.append({"role": "user", "content": text})
     prompt = engine.tokenizer.apply_chat_template(conversation.messages, template=template)
-    ids = engine.tokenizer.encode(prompt)
+    try:
+        ids = engine.tokenizer.encode(prompt, cache.capacity)
+    except InfernoError:
+        conversation.messages.pop()
+        raise InfernoError(f"the conversation is longer than the cache of {cache.capacity} tokens: /reset "
+                           "starts over") from None
     if not ids:
         conversation.messages.pop()
         raise InfernoError("the chat template rendered the conversation as no tokens: nothing to answer")

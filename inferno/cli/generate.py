@@ -288,7 +288,7 @@ def command(args, max_tokens, kv, kv_dtype, max_context, block_size, num_samples
             generate_many.run_samples(engine, prompt, num_samples, defaults, cache, as_json, quiet)
         return
     text = engine.prompt_text(prompt, chat, system)
-    prompt_ids = engine.tokenizer.encode(text)
+    prompt_ids = engine.tokenizer.encode(text, prompt_context(engine, kv))
     with blame("--max-context", max_context):
         options = window_options | ({"block_size": block_size} if block_size else {})
         cache = engine.make_cache(kv, len(prompt_ids), max_new, max_context, kv_dtype, **options)
@@ -357,6 +357,11 @@ def command(args, max_tokens, kv, kv_dtype, max_context, block_size, num_samples
         sys.exit(EXIT_INTERRUPTED)
 
 
+def prompt_context(engine, kv: str | None) -> int | None:
+    """The most tokens a prompt may be: the model's context, unless a cache that evicts takes it (None)."""
+    return None if kv is not None and kv in KINDS and KINDS[kv].evicts else engine.config.context_length
+
+
 def check_bounds(engine, prompt: str, chat: bool, system: str | None, max_new: int, num_samples: int | None,
                  max_batch: int | None, block_size: int | None, kv: str | None, kv_dtype: str) -> None:
     """What the model's context and the machine's memory can hold, checked before any work: a block
@@ -375,7 +380,8 @@ def check_bounds(engine, prompt: str, chat: bool, system: str | None, max_new: i
         raise InfernoError(f"{flag} {sequences:,} is more than the {MAX_SEQUENCES:,} sequences a run decodes "
                            "together")
     if num_samples:  # the prompt's length is known: each sample holds it and its new tokens
-        prompt_tokens = len(engine.tokenizer.encode(engine.prompt_text(prompt, chat, system)))
+        prompt_tokens = len(engine.tokenizer.encode(engine.prompt_text(prompt, chat, system),
+                                                    prompt_context(engine, kv)))
         if prompt_tokens > context:
             raise InfernoError(f"prompt of {prompt_tokens:,} tokens is longer than the model's context of "
                                f"{context:,}")

@@ -14,7 +14,7 @@ from time import perf_counter
 
 from inferno.cli.common import console
 from inferno.cli.display import counting, fmt_bytes
-from inferno.cli.generate import MAX_NEW_TOKENS
+from inferno.cli.generate import MAX_NEW_TOKENS, prompt_context
 from inferno.errors import InfernoError
 from inferno.model.sampling import MIN_TEMPERATURE, Sampler
 from inferno.runtime.engine import Engine
@@ -120,9 +120,9 @@ def _shown(value: object) -> str:
     return repr(value)
 
 
-def make_request(engine: Engine, options: dict, seed: int | None) -> Request:
-    prompt_ids = engine.tokenizer.encode(engine.prompt_text(options["prompt"], options["chat"],
-                                                            options.get("system")))
+def make_request(engine: Engine, options: dict, seed: int | None, kv: str | None = None) -> Request:
+    text = engine.prompt_text(options["prompt"], options["chat"], options.get("system"))
+    prompt_ids = engine.tokenizer.encode(text, prompt_context(engine, kv))
     try:
         sampler = Sampler(options["temperature"], options["top_k"], options["top_p"], seed)
     except OverflowError as exc:
@@ -224,7 +224,7 @@ def run_samples(engine: Engine, prompt: str, n: int, defaults: Defaults, cache: 
     """N continuations of one prompt: sample i is seeded with seed + i, as `--seed (seed + i)` alone."""
     options = vars(defaults) | {"prompt": prompt}
     seeds = [None if defaults.seed is None else defaults.seed + i for i in range(n)]
-    requests = [make_request(engine, options, seed) for seed in seeds]
+    requests = [make_request(engine, options, seed, cache.kv) for seed in seeds]
     scheduler = scheduler_for(engine, cache, requests, n)
     out, err = console(), console(stderr=True)
     err.quiet = quiet or as_json
@@ -265,7 +265,7 @@ def run_batch(engine: Engine, path: str, defaults: Defaults, cache: Cache, max_b
               as_json: bool, quiet: bool = False) -> None:
     """Every prompt of the file, up to max_batch running at a time, shared prefixes reused."""
     entries = read_batch(path, defaults)
-    requests = [make_request(engine, e, e["seed"]) for e in entries]
+    requests = [make_request(engine, e, e["seed"], cache.kv) for e in entries]
     scheduler = scheduler_for(engine, cache, requests, max_batch)
     out, err = console(), console(stderr=True)
     err.quiet = quiet or as_json

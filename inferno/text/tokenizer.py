@@ -9,7 +9,7 @@ SmolLM) and SentencePiece BPE (`llama`: Llama 2, Mistral, Gemma), whose merges t
 from __future__ import annotations
 
 import codecs
-from functools import cache
+from functools import cache, cached_property
 
 import gguf
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -99,6 +99,9 @@ def _spelled_bytes(token: str) -> bytes:
     if all(char in table for char in token):
         return bytes(table[char] for char in token)
     return token.encode("utf-8")
+
+
+CUT_TOKENS = 64  # tokens a cut in the middle of a text may add (a word split in two): never counted
 
 
 class GGUFTokenizer:
@@ -223,14 +226,39 @@ class GGUFTokenizer:
             chat_template=state["chat_template"],
         )
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids for `text`; special tokens written in it (`<|im_start|>`) become their single id."""
+    def encode(self, text: str, context: int | None = None) -> list[int]:
+        """Token ids for `text`; special tokens written in it (`<|im_start|>`) become their single id.
+
+        With `context`, a text that must be longer than `context` tokens is refused before all of it is
+        tokenized (tokenizing a 16 MiB prompt takes gigabytes): no token stands for more bytes than the
+        vocabulary's longest, so a text of N bytes is at least N / that many tokens; else it is counted
+        in pieces of 4 x context characters, each piece's tokens less the few a cut can change, until
+        they are more than the context (a piece at a time in memory) or the text ends."""
+        if context is not None and len(text) > context:
+            size = len(text.encode("utf-8", "surrogatepass"))
+            least = -(-size // self.longest_token_bytes)
+            step, counted = 4 * context, 0
+            for start in range(0, len(text), step) if len(text) > step else ():
+                if least > context:
+                    break
+                piece = text[start:start + step]
+                counted += len(self._tokenizer.encode(piece, add_special_tokens=False).ids) - CUT_TOKENS
+                least = max(least, counted)
+            if least > context:
+                raise InfernoError(f"prompt of {size:,} bytes is at least {least:,} tokens, longer than the "
+                                   f"model's context of {context:,}")
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
         if self.add_bos and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         if self.add_eos and self.eos_id is not None:
             ids.append(self.eos_id)
         return ids
+
+    @cached_property
+    def longest_token_bytes(self) -> int:
+        """Bytes of the vocabulary's longest token (special tokens included)."""
+        longest = max((len(self.token_bytes(i)) for i in range(self.vocab_size)), default=1)
+        return max([longest, *(len(t.encode("utf-8")) for t in self._special_tokens.values())])
 
     def decode(self, ids: list[int]) -> str:
         """The text of `ids`, special tokens included; bytes that are not valid UTF-8 become U+FFFD."""
