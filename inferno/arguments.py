@@ -4,6 +4,7 @@ never a TypeError from deep inside (`generate("hi", "3")`) or a misleading messa
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Sequence
 from numbers import Integral
 from typing import Any
@@ -80,3 +81,16 @@ def choice(name: str, value: Any, valid: Sequence[str], optional: bool = False) 
     if not isinstance(value, str) or value not in valid:
         raise InfernoError(f"{name} {_shown(value)} is not one of {', '.join(valid)}")
     return value
+
+
+def special_file(path: str | os.PathLike) -> str | None:
+    """What `path` is when it exists and is not a regular file (symlinks followed): "a FIFO (named
+    pipe)", "a character device", "a directory"...; None for a regular file or nothing there."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):  # absent, a loop of symlinks, a name too long: opening it says why
+        return None
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISSOCK, "a socket"))  # fmt: skip
+    return next((name for test, name in kinds if test(mode)), None)

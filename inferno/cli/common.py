@@ -280,6 +280,8 @@ def looks_like_model(arg: str) -> bool:
 def is_gguf_file(path: str) -> bool:
     from inferno.file.reader import GGUF_MAGIC  # here: kv-memcalc by flags starts without numpy
 
+    if not os.path.isfile(path):  # a FIFO is never opened here: that would wait for a writer forever
+        return False
     try:
         with open(path, "rb") as f:
             return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
@@ -418,17 +420,37 @@ def quiet_option() -> Callable:
 
 
 MAX_TEMPLATE_BYTES = 1 << 20
+TEXT_FILE_LIMIT = 2 << 20  # bytes of a text scored token by token: kv-perplexity --text, kv-bench --text-file
 
 
 def read_template(path: str) -> str:
     """A --chat-template file's text (UTF-8, at most MAX_TEMPLATE_BYTES)."""
+    return read_text_file("--chat-template", path, MAX_TEMPLATE_BYTES, "a template")
+
+
+def read_text_file(flag: str, path: str, limit: int, what: str = "it", encoding: str = "utf-8") -> str:
+    """The UTF-8 text of the file a flag names, at most `limit` bytes. A FIFO, device, socket or
+    directory is refused before it is opened (a FIFO nobody writes to blocks the open forever,
+    /dev/zero never ends), a larger file before it is read."""
+    from inferno.arguments import special_file
+
+    kind = special_file(path)
+    if kind is not None:
+        raise InfernoError(f"{flag} {path} is {kind}: give a regular file")
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read(MAX_TEMPLATE_BYTES + 1)
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size > limit:
+                data = b""
+            else:
+                data = f.read(limit + 1)
+                if len(data) <= limit:
+                    return data.decode(encoding)
     except OSError as exc:
-        raise InfernoError(f"cannot read --chat-template {path}: {exc.strerror or exc}") from None
+        raise InfernoError(f"cannot read {flag} {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
-        raise InfernoError(f"--chat-template {path} is not UTF-8 text (byte {exc.start})") from None
-    if len(text) > MAX_TEMPLATE_BYTES:
-        raise InfernoError(f"--chat-template {path} is more than the 1 MiB a template may be")
-    return text
+        raise InfernoError(f"{flag} {path} is not UTF-8 text (byte {exc.start})") from None
+    raise InfernoError(f"{flag} {path} is more than the {_size(limit)} {what} may be")
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"

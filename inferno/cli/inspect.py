@@ -22,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from inferno.analysis.cache_view import inspect_prompt, inspect_snapshot
+from inferno.arguments import special_file
 from inferno.cli.common import (
     blame,
     console,
@@ -145,6 +146,9 @@ def command(args, n_decode, layer, max_context, kind, window, sinks, window_posi
         check_plot_file(plot)
     set_threads(threads)
     element_type(kv_dtype)
+    kind_of_file = special_file(args[0]) if len(args) == 1 else None
+    if kind_of_file is not None:  # a FIFO, device or directory named alone: meant as a snapshot, never one
+        raise InfernoError(f"{args[0]} is {kind_of_file}: a snapshot is a regular file")
     if len(args) == 1 and is_snapshot_file(args[0]):
         if n_decode or layer is not None or max_context is not None or kind != DEFAULT_KIND:
             raise InfernoError("--decode, --layer, --max-context and --kv need a model, not a snapshot")

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
+from inferno.arguments import special_file
 from inferno.errors import InfernoError
 
 GGUF_MAGIC = b"GGUF"
@@ -68,6 +69,9 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
         raise InfernoError(f"{path}: no such file")
     if path.is_dir():
         raise InfernoError(f"{path}: is a directory, not a GGUF file")
+    kind = special_file(path)
+    if kind is not None:  # opening a FIFO nobody writes to would wait forever; /dev/zero never ends
+        raise InfernoError(f"{path}: is {kind}, not a GGUF file")
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
