@@ -9,10 +9,9 @@ import json
 import math
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from time import perf_counter
 
-from inferno.cli.common import console
+from inferno.cli.common import console, read_text_file
 from inferno.cli.display import counting, fmt_bytes
 from inferno.cli.generate import MAX_NEW_TOKENS, prompt_context
 from inferno.errors import InfernoError
@@ -50,12 +49,17 @@ class Cache:
     options: dict
 
 
+BATCH_FILE_LIMIT = 64 * 2**20  # bytes: 4,096 prompts of the 16 MiB a --prompt-file may be would never run
+
+
 def read_batch(path: str, defaults: Defaults) -> list[dict]:
-    """One prompt per line, or a JSON object per line with `prompt` and per-prompt options."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InfernoError(f"cannot read --batch {path}: {exc}") from None
+    """One prompt per line, or a JSON object per line with `prompt` and per-prompt options. Lines end at
+    \n (a \r before it is dropped), not at the other characters str.splitlines() ends lines at (U+2028
+    is text inside a JSON string); a byte order mark at the start is not part of the first line."""
+    text = read_text_file("--batch", path, BATCH_FILE_LIMIT, "a batch file", encoding="utf-8-sig")
+    lines = [line.removesuffix("\r") for line in text.split("\n")]
+    if lines and not lines[-1]:
+        lines.pop()  # the file's last line ends with a newline
     if not lines:
         raise InfernoError(f"--batch {path} holds no prompts")
     return [parse_line(line, f"--batch {path} line {number}", defaults)

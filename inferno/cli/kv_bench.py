@@ -12,12 +12,14 @@ import click
 from inferno.bench.batch_sweep import batch_sweep, parse_sizes
 from inferno.bench.kv_modes import DEFAULT_MODES, MODES, run_modes, summary_row
 from inferno.cli.common import (
+    TEXT_FILE_LIMIT,
     check_activations,
     console,
     model_file,
     progress_on,
     quiet_console,
     quiet_option,
+    read_text_file,
     run,
     script,
     set_threads,
@@ -43,15 +45,10 @@ def split_list(value: str, valid, what: str) -> tuple[str, ...]:
 
 def text_tokens(engine, text_file: str | None, tokens: int) -> tuple[list[int], str]:
     """`tokens` token ids of the fidelity text (the file's, or the default) and where the text is from."""
-    from pathlib import Path
-
     from inferno.analysis.fidelity import default_text
 
     if text_file:
-        try:
-            text, source = Path(text_file).read_text(encoding="utf-8"), text_file
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InfernoError(f"cannot read --text-file {text_file}: {exc}") from None
+        text, source = read_text_file("--text-file", text_file, TEXT_FILE_LIMIT, "a text"), text_file
     else:
         text, source = default_text()
     ids = engine.tokenizer.encode(text)

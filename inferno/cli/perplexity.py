@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from time import perf_counter
 
 import click
 
 from inferno.cli.common import (
+    TEXT_FILE_LIMIT,
     blame,
     console,
     model_file,
     progress_on,
     quiet_console,
     quiet_option,
+    read_text_file,
     run,
     script,
     set_threads,
@@ -49,10 +50,7 @@ def command(model, text_file, window, sinks, threads, as_json, quiet):
     if not 0 <= sinks < window:
         raise InfernoError(f"--sinks must be from 0 to fewer than --window {window:,}, got {sinks:,}")
     set_threads(threads)
-    try:
-        text = Path(text_file).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InfernoError(f"cannot read --text {text_file}: {exc}") from None
+    text = read_text_file("--text", text_file, TEXT_FILE_LIMIT, "a text")
     from inferno.analysis.perplexity import PREFILL_CHUNK
     from inferno.cli.display import Counted, counting
     from inferno.runtime.engine import Engine
