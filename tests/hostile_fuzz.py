@@ -1116,6 +1116,38 @@ MODEL_PATHS = [
 ]
 
 
+FILE_FLAGS = {
+    "model-generate": ["--prompt-file", "--batch", "--chat-template", "--load-cache", "--save-cache"],
+    "model-chat": ["--chat-template"],
+    "kv-inspect": ["--plot"],
+    "kv-bench": ["--text-file", "--plot"],
+    "kv-perplexity": ["--text"],
+    "model-serve": ["--chat-template"],
+}
+HOSTILE_CONTENT = {
+    "huge.txt": lambda: b"hello world " * (16 * 2**20 // 12 - 1),  # just under --prompt-file's 16 MiB
+    "nospace.txt": lambda: b"x" * 3_000_000,
+    "latin1.txt": lambda: b"caf\xe9 " * 100,
+    "empty.txt": lambda: b"",
+    "nul.txt": lambda: b"\x00" * 100_000,
+    "bom.txt": lambda: b"\xef\xbb\xbfhello",
+    "u2028.txt": lambda: '{"prompt": "a\u2028b"}\n'.encode(),
+    "lines.txt": lambda: b"hi\n" * 5000,
+}
+HOSTILE_FILES = [
+    "fifo.in",
+    "dir.in",
+    "/dev/zero",
+    "/dev/null",
+    "/dev/full",
+    "/dev/urandom",
+    "missing.txt",
+    "/proc/self/status",
+    "/",
+    *HOSTILE_CONTENT,
+]
+
+
 def flags_case(rng: random.Random, seed: int) -> Case:
     name = rng.choice(sorted(COMMANDS))
     spec = COMMANDS[name]
@@ -1151,7 +1183,37 @@ def flags_case(rng: random.Random, seed: int) -> Case:
             [] if flag.startswith("--log") else [value]
         )
         what.append(f"{flag} {value[:20]!r}")
+    if rng.random() < 0.35 and FILE_FLAGS.get(name):  # a file flag naming what is not a usable file
+        flag = rng.choice(FILE_FLAGS[name])
+        target = rng.choice(HOSTILE_FILES)
+        if target == "fifo.in":
+            fifos = (*fifos, "fifo.in")
+        elif target == "dir.in":
+            files["dir.in/x"] = b""
+        elif target in HOSTILE_CONTENT:
+            files[target] = HOSTILE_CONTENT[target]()
+        extra = ["--kv", "prealloc"] if flag in ("--load-cache", "--save-cache") else []
+        extra += ["--chat"] if flag == "--chat-template" and name == "model-generate" else []
+        argv += [*extra, flag, target]
+        if flag in ("--prompt-file", "--batch") and len(argv) > 3 and argv[2] == "hi":
+            del argv[2]  # the prompt comes from the file
+        what.append(f"{flag} {target}")
     stdin = b"hi\n" if name == "model-chat" else b""
+    if name == "model-chat" and rng.random() < 0.3:
+        stdin = rng.choice(
+            [
+                b"x" * 20_000_000 + b"\n",
+                b"\xff\xfe\n",
+                b"/save\n",
+                b"/save /dev/full\n",
+                b"/save dir.in\n",
+                b"/save fifo.in\n",
+                b"\x00" * 1000 + b"\n",
+                b"hi " * 3000 + b"\n",
+                b"/reset\n/stats\n" * 50,
+            ]
+        )
+        what.append(f"stdin {stdin[:20]!r}")
     return Case(
         "flags",
         seed,

@@ -387,3 +387,147 @@ def test_kv_make_cache_checks_its_arguments(tiny):
         make_cache("prealloc", geometry, 8.0)
     with pytest.raises(InfernoError, match="unknown KV cache kind"):
         make_cache(None, geometry, 8)
+
+
+# -- found by tests/hostile_fuzz.py -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"shared_expert_intermediate_size": [""], "num_experts": 4}, "shared_expert_intermediate_size must be"),
+    ({"vocab_size": "1000"}, "vocab_size must be a whole number"),
+    ({"intermediate_size": 1.5}, "intermediate_size must be a whole number"),
+    ({"tie_word_embeddings": [1]}, "tie_word_embeddings must be true or false"),
+])  # fmt: skip
+def test_config_counts_of_the_parameter_estimate_are_checked(calc, tmp_path, change, fragment):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**BASE, **change}))
+    refused(calc("--config", config), "kv-memcalc", fragment)
+
+
+@pytest.mark.parametrize("line, fragment", [
+    ('{"prompt": "hi", "max_new_tokens": 100000000000000000000}', "line 1: max_new_tokens must be from 1 to"),
+    ('{"prompt": "hi", "max_new_tokens": 16000000}', "context of 256"),  # was ENOMEM allocating the pool
+    ('{"prompt": "hi", "seed": -1}', "line 1: seed must be 0 or more"),
+    ('{"prompt": "hi", "top_p": 0}', "line 1: top_p must be in (0, 1]"),
+    ('{"prompt": "hi", "top_k": -3}', "line 1: top_k must be 0 (off) or more"),
+    ('{"prompt": "hi", "temperature": 1e-9}', "line 1: temperature must be 0 (greedy) or from"),
+    ('{"prompt": "hi", "seed": 1' + "0" * 5000 + "}", "line 1: holds a number too long to read"),
+])  # fmt: skip
+def test_batch_line_numbers_out_of_range_name_the_line(gen, tmp_path, line, fragment):
+    batch = tmp_path / "b.jsonl"
+    batch.write_text(line + "\n")
+    refused(gen(TINY, "--batch", batch, "-n", "2"), "model-generate", fragment)
+
+
+def test_batch_lines_end_at_newlines_and_a_bom_is_not_text(tmp_path):
+    from inferno.cli.generate_many import Defaults, read_batch
+
+    batch = tmp_path / "b.jsonl"
+    batch.write_bytes(b'\xef\xbb\xbf{"prompt": "a\xe2\x80\xa8b", "seed": 3}\r\n{"prompt": "c"}\n')
+    entries = read_batch(str(batch), Defaults(2, 0.0, 0, 1.0, None, False, False))
+    assert [(e["prompt"], e["seed"]) for e in entries] == [("a\u2028b", 3), ("c", None)]
+
+
+@pytest.mark.parametrize("flag", ["model", "--batch", "--chat-template", "--prompt-file"])
+def test_a_fifo_or_device_where_a_file_is_read_is_refused_before_opening_it(gen, tmp_path, flag):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    args = {"model": (fifo, "hi", "2"), "--batch": ("--batch", fifo, TINY),
+            "--chat-template": ("--chat", "--chat-template", fifo, TINY, "hi", "2"),
+            "--prompt-file": ("--prompt-file", fifo, TINY, "2")}[flag]  # fmt: skip
+    t = time.perf_counter()
+    refused(gen(*args), "model-generate", "FIFO")
+    device = "16 MiB" if flag == "--prompt-file" else "character device"  # (read up to the limit)
+    refused(gen(*[a if a != fifo else "/dev/zero" for a in args]), "model-generate", device)
+    assert time.perf_counter() - t < 10
+
+
+def test_other_commands_refuse_a_fifo_for_a_file(run_main, tmp_path):
+    from inferno.cli import perplexity
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    refused(run_main(inspect.main, "kv-inspect", fifo), "kv-inspect", "FIFO", "a snapshot is a regular file")
+    refused(run_main(memcalc.main, "kv-memcalc", "--model", fifo), "kv-memcalc", "FIFO")
+    refused(run_main(perplexity.main, "kv-perplexity", TINY, "--text", fifo, "--window", "8"),
+            "kv-perplexity", "--text", "FIFO")  # fmt: skip
+
+
+def test_perplexity_window_and_sinks_are_checked_before_the_model_loads(run_main, tmp_path, monkeypatch):
+    from inferno.cli import perplexity
+    from inferno.runtime.engine import Engine
+
+    monkeypatch.setattr(Engine, "load", classmethod(lambda *a, **k: pytest.fail("loaded the model")))
+    text = tmp_path / "t.txt"
+    text.write_text("Once upon a time")
+    refused(run_main(perplexity.main, "kv-perplexity", TINY, "--text", text, "--window", "0"),
+            "kv-perplexity", "--window must be at least 1")  # fmt: skip
+    refused(run_main(perplexity.main, "kv-perplexity", TINY, "--text", text, "--window", "4", "--sinks", "4"),
+            "kv-perplexity", "--sinks must be from 0 to fewer than --window 4")  # fmt: skip
+
+
+def test_a_prompt_far_past_the_context_is_refused_before_it_is_tokenized(tiny, monkeypatch):
+    calls = []
+    inner = tiny.tokenizer._tokenizer
+    monkeypatch.setattr(tiny.tokenizer, "_tokenizer", type("T", (), {
+        "encode": lambda self, text, **k: calls.append(len(text)) or inner.encode(text, **k)})())  # fmt: skip
+    with pytest.raises(InfernoError, match=r"is at least .* tokens, longer than the model's context of 256"):
+        tiny.tokenizer.encode("hello world " * 1_000_000, 256)  # 12 MB: by its bytes, never tokenized
+    with pytest.raises(InfernoError, match="context of 256"):
+        tiny.tokenizer.encode("x" * 3000, 256)  # counted a piece of 1,024 characters at a time
+    assert max(calls) <= 1024
+    assert tiny.tokenizer.encode("hello world", 256) == inner.encode("hello world").ids
+
+
+def test_a_chat_template_rendering_nothing_is_refused_by_model_chat(run_main, tmp_path, monkeypatch):
+    import io
+
+    from inferno.cli import chat
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ none.attr }}")  # renders as ""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
+    refused(run_main(chat.main, "model-chat", TINY, "--chat-template", template), "model-chat",
+            "renders a user message as no tokens")  # fmt: skip
+
+
+def test_serve_cache_memory_past_the_machine_and_unmappable_buffers(run_main, monkeypatch):
+    import errno
+    import mmap
+
+    from inferno.cli import serve
+    from inferno.kv import memory
+
+    monkeypatch.setattr(serve, "physical_memory", lambda: 2**30)
+    refused(run_main(serve.main, "model-serve", TINY, "--cache-memory", "2GiB", "--port", "0"), "model-serve",
+            "--cache-memory 2GiB is more than this machine's 1.0 GiB")  # fmt: skip
+    with pytest.raises(InfernoError, match=r"cannot reserve .* GiB for the KV cache: too large"):
+        memory.lazy_zeros((2**70,))
+
+    def no_memory(*args):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", no_memory)
+    with pytest.raises(InfernoError, match="cannot allocate memory"):
+        memory.lazy_zeros((4, 4))
+
+
+def test_a_refusal_after_a_threads_note_is_still_one_line(monkeypatch, capsys):
+    import click
+
+    @click.command()
+    def noted():
+        common.note("other processes kept 1.0 CPUs busy")
+        raise InfernoError("bad input")
+
+    monkeypatch.setattr(sys, "argv", ["prog"])
+    with pytest.raises(SystemExit):
+        common.run(noted, "prog")
+    assert capsys.readouterr().err == "prog: error: bad input\n"
+
+    @click.command()
+    def fine():
+        common.note("other processes kept 1.0 CPUs busy")
+
+    common.run(fine, "prog")
+    assert capsys.readouterr().err == "note: other processes kept 1.0 CPUs busy\n"
