@@ -59,8 +59,22 @@ def test_a_second_load_reads_the_entry_and_computes_the_same(cache_dir, model_fi
     assert built.cache == "miss" and prepared.entry_path(model_file).is_file()
     cached = prepared.load(model_file)
     assert cached.cache == "hit"
+    assert cached.tokenizer.vocab_size  # built in the background: its time is known once it is done
     assert set(cached.parts_ms) == {"open", "weights", "tokenizer"}
     same_model(built, cached)
+
+
+def test_a_garbled_tokenizer_in_an_entry_is_built_from_the_file(cache_dir, model_file):
+    built = prepared.load(model_file)
+    entry = prepared.entry_path(model_file)
+    data = bytearray(entry.read_bytes())
+    at = data.rfind(b'"model"')  # inside the tokenizers JSON, the entry's last array
+    data[at : at + 7] = b"{{{{{{{"
+    entry.write_bytes(bytes(data))
+    cached = prepared.load(model_file)
+    assert cached.cache == "hit"  # its weights are good; its tokenizer came from the model file
+    text = "The tokenizer, rebuilt: 12 + 30 = 42."
+    assert cached.tokenizer.encode(text) == built.tokenizer.encode(text)
 
 
 def test_a_changed_model_file_is_rebuilt(cache_dir, model_file):

@@ -23,7 +23,9 @@ import hashlib
 import json
 import mmap
 import os
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from stat import S_ISREG
@@ -56,11 +58,26 @@ class Prepared:
     """A model ready for its kernels, and what getting it cost."""
 
     model: Transformer
-    tokenizer: GGUFTokenizer
+    tokenizer_source: GGUFTokenizer | Future  # a cache hit builds it in the background: see `tokenizer`
     fingerprint: str
     cache: str = "off"  # "hit": read from the cache; "miss": built from the file, entry written; "off"
     cache_bytes: int = 0  # the entry's size on disk (0: none)
     parts_ms: dict[str, float] = field(default_factory=dict)  # open, weights, tokenizer, cache_write
+    path: str = ""  # the model file, to build the tokenizer from if the entry's one is damaged
+
+    @property
+    def tokenizer(self) -> GGUFTokenizer:
+        """The tokenizer, once its background build is done. `tokenizers` parses its JSON without
+        Python's lock (a large vocabulary takes hundreds of milliseconds), so on a cache hit that runs
+        beside the kernels' loading instead of before it."""
+        if isinstance(self.tokenizer_source, Future):
+            try:
+                self.tokenizer_source, self.parts_ms["tokenizer"] = self.tokenizer_source.result()
+            except Exception:  # a garbled entry: the file still has it
+                t = perf_counter()
+                self.tokenizer_source = GGUFTokenizer.from_gguf(open_gguf(self.path))
+                self.parts_ms["tokenizer"] = (perf_counter() - t) * 1000
+        return self.tokenizer_source
 
 
 def cache_dir() -> Path:
@@ -117,7 +134,7 @@ def load(model_path: str | os.PathLike) -> Prepared:
         entry = ident = None
     if entry is not None:
         try:
-            prepared = _read(entry, ident)
+            prepared = _read(entry, ident, model_path)
             with contextlib.suppress(OSError):
                 os.utime(entry)  # most recently used
             return prepared
@@ -208,7 +225,7 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _read(entry: Path, ident: dict) -> Prepared:
+def _read(entry: Path, ident: dict, model_path: str | os.PathLike) -> Prepared:
     """The model from a valid entry; any exception means the entry cannot be used."""
     t0 = perf_counter()
     with entry.open("rb") as f:
@@ -239,13 +256,31 @@ def _read(entry: Path, ident: dict) -> Prepared:
     weights = _CachedWeights(config, header["matrices"], set(header["arrays"]), array)
     model = Transformer.from_weights(config, weights)
     t2 = perf_counter()
-    state = json.loads(array("tokenizer/state").tobytes())
-    tokenizer = GGUFTokenizer.from_state(state, array("tokenizer/json").tobytes().decode())
-    if tokenizer.vocab_size > config.vocab_size:
-        raise ValueError("more tokens than embedding rows")
-    t3 = perf_counter()
-    parts = {"open": (t1 - t0) * 1000, "weights": (t2 - t1) * 1000, "tokenizer": (t3 - t2) * 1000}
-    return Prepared(model, tokenizer, str(header["fingerprint"]), "hit", size, parts)
+    state, text = array("tokenizer/state").tobytes(), array("tokenizer/json").tobytes()
+
+    def tokenizer() -> tuple[GGUFTokenizer, float]:
+        t = perf_counter()
+        built = GGUFTokenizer.from_state(json.loads(state), text.decode())
+        if built.vocab_size > config.vocab_size:
+            raise ValueError("more tokens than embedding rows")
+        return built, (perf_counter() - t) * 1000
+
+    parts = {"open": (t1 - t0) * 1000, "weights": (t2 - t1) * 1000}
+    return Prepared(model, _in_background(tokenizer), str(header["fingerprint"]), "hit", size, parts,
+                    str(model_path))
+
+
+def _in_background(build: Callable[[], object]) -> Future:
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(build())
+        except BaseException as exc:  # handed to whoever waits for it
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="inferno-tokenizer", daemon=True).start()
+    return future
 
 
 class _CachedWeights:
