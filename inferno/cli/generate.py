@@ -295,7 +295,7 @@ def command(args, max_tokens, kv, kv_dtype, max_context, block_size, num_samples
     load_cache_ms = None
     if load_cache:
         t = perf_counter()
-        snapshot = Snapshot.load(load_cache)
+        snapshot = Snapshot.load(load_cache, (engine.config, engine.fingerprint))  # model checked first
         snapshot.check_model(engine.config, engine.fingerprint)
         snapshot.restore(cache, prompt_ids)
         load_cache_ms = (perf_counter() - t) * 1000

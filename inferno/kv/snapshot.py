@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import secrets
 import stat
@@ -159,14 +160,23 @@ class Snapshot:
             raise InfernoError(f"cannot save the KV cache to {path}: {exc.strerror or exc}") from None
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> Snapshot:
-        """Read and check a snapshot file; anything wrong with it is one InfernoError."""
+    def load(cls, path: str | os.PathLike, model: tuple[ModelConfig, str] | None = None) -> Snapshot:
+        """Read and check a snapshot file; anything wrong with it is one InfernoError.
+
+        Its header (metadata, tensor shapes) is checked, then its checksum, reading the file a piece
+        at a time, and only then are the rows read into memory: a file declaring gigabytes it does not
+        hold (a sparse file, a wrong checksum) is refused without them. `model` (config, fingerprint):
+        the model the snapshot must be of, also checked before the rows are read."""
         path = Path(path)
         if not path.is_file():
             raise InfernoError(f"{path}: no such file" if not path.exists() else f"{path}: not a file")
         try:
             with safe_open(path, framework="numpy") as f:
                 meta = f.metadata() or {}
+                shapes = {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype())
+                          for name in TENSORS}
+                cls._check_header(path, meta, shapes, model)
+                _check_file_sha256(path, meta.get("data_sha256"))
                 tensors = {name: f.get_tensor(name) for name in TENSORS}
         except (SafetensorError, OSError, ValueError) as exc:
             raise InfernoError(f"{path}: truncated or corrupt KV cache snapshot ({exc})") from None
@@ -206,6 +216,50 @@ class Snapshot:
         snapshot = cls(keys, values, token_ids, architecture, geometry, fingerprint, dtype)
         snapshot.check_finite(path)
         return snapshot
+
+    @classmethod
+    def _check_header(
+        cls, path: Path, meta: dict, shapes: dict, model: tuple[ModelConfig, str] | None
+    ) -> None:
+        """What the header says, before any row is read: the format, a geometry, shapes that fit it and
+        bytes this machine could hold; and the model, when one is given."""
+        if meta.get("format") != FORMAT:
+            raise InfernoError(f"{path}: not a KV cache snapshot (no format {FORMAT!r} in its header)")
+        try:
+            windows = _windows_from_text(meta.get("windows", ""))
+            geometry = KVGeometry(**{name: int(meta[name]) for name in GEOMETRY_KEYS}, windows=windows)
+            stored = element_type(meta.get("kv_dtype", F32))
+            row_items = stored.row_items(geometry)
+        except (KeyError, ValueError, InfernoError) as exc:
+            raise InfernoError(f"{path}: corrupt KV cache snapshot (missing or bad {exc})") from None
+        ids = shapes["token_ids"][0]
+        length = ids[0] if len(ids) == 1 else -1
+        expected = (geometry.layers, length, row_items)
+        if length < 1 or shapes["keys"][0] != expected or shapes["values"][0] != expected:
+            raise InfernoError(
+                f"{path}: corrupt KV cache snapshot (tensors keys {shapes['keys'][0]}, values "
+                f"{shapes['values'][0]}, token_ids {ids} do not fit its {geometry})"
+            )
+        rows = 2 * math.prod(expected) * np.dtype(stored.storage).itemsize
+        try:
+            total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            total = None
+        if total is not None and rows > total:
+            raise InfernoError(f"{path}: a KV cache snapshot of {rows / 2**30:,.1f} GiB is more than this "
+                               f"machine's {total / 2**30:,.1f} GiB of memory")
+        on_disk = path.stat().st_blocks * 512
+        if rows > 64 * 2**20 and on_disk < rows // 4:  # a sparse file: reading its "rows" reads zeros
+            raise InfernoError(f"{path}: corrupt KV cache snapshot (its header declares "
+                               f"{rows / 2**30:,.1f} GiB of rows, the file holds {on_disk / 2**30:,.1f} GiB)")
+        if model is not None:
+            config, fingerprint = model
+            if length > config.context_length:
+                raise InfernoError(f"{path}: the snapshot holds {length:,} tokens, more than the model's "
+                                   f"context of {config.context_length:,}")
+            header_only = cls(np.empty(0), np.empty(0), np.empty(0), meta.get("architecture"), geometry,
+                              meta.get("fingerprint"))
+            header_only.check_model(config, fingerprint)
 
     def check_finite(self, path: str | os.PathLike = "snapshot") -> None:
         """Refuse rows holding NaN or infinity (a block's scale included): no model computes them, and
@@ -313,6 +367,27 @@ def _windows_text(windows: tuple[int | None, ...]) -> str:
 
 def _windows_from_text(text: str) -> tuple[int | None, ...]:
     return tuple(None if w == "global" else int(w) for w in text.split(",")) if text else ()
+
+
+def _check_file_sha256(path: Path, checksum: str | None) -> None:
+    """The data's sha256 (what _data_sha256 computes of the tensors) read from the file 1 MiB at a
+    time: the tensors are stored in TENSORS order right after the header."""
+    with path.open("rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        start = f.tell()
+        digest = hashlib.sha256()
+        for name in TENSORS:
+            begin, end = header[name]["data_offsets"]
+            f.seek(start + begin)
+            left = end - begin
+            while left > 0:
+                piece = f.read(min(left, 1 << 20))
+                if not piece:
+                    raise InfernoError(f"{path}: truncated KV cache snapshot")
+                digest.update(piece)
+                left -= len(piece)
+    if digest.hexdigest() != checksum:
+        raise InfernoError(f"{path}: corrupt KV cache snapshot (its data does not match its checksum)")
 
 
 def _data_sha256(tensors: dict[str, np.ndarray]) -> str:
