@@ -61,6 +61,8 @@ def bind(host: str, port: int) -> socket.socket:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise InfernoError(f"--host {host}: {exc.strerror}") from None
+    except UnicodeError:  # the IDNA codec: a label over 63 characters, a lone surrogate...
+        raise InfernoError(f"--host {ascii(host)[:80]} is not a valid host name or address") from None
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
