@@ -20,7 +20,6 @@ than 1 GB. A case is (kind, seed): the same pair always makes the same input.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -308,7 +307,7 @@ CONTEXTS = [
     "\u0661\u0662\u0668k",
     "1000000000000k",
 ]
-TEXTS = ["", " ", "\n", "x" * 100_000, "\udc80", "a\x00b", "\u202e", "\ufeff", "-", "--", "-n", "💥" * 1000]
+TEXTS = ["", " ", "\n", "x" * 100_000, "\udc80", "a\x01b", "\u202e", "\ufeff", "-", "--", "-n", "💥" * 1000]
 
 
 def number_for(rng: random.Random, kind: str = "int") -> str:
@@ -342,7 +341,7 @@ def _batch_value_ok(key: str, value: object) -> bool | None:
             return None if value else False
         return (
             None
-            if isinstance(value, list) and value and all(isinstance(s, str) and s for s in value)
+            if isinstance(value, list) and all(isinstance(s, str) and s for s in value)  # []: no stops
             else False
         )
     if key == "ignore_eos":
@@ -1256,18 +1255,18 @@ def run_case(case: Case, timeout: float = TIMEOUT) -> Result:
         env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "100", "PYTHONFAULTHANDLER": "1"}
         argv = [a.encode("utf-8", "surrogateescape") if isinstance(a, str) else a for a in case.argv]
         t0 = time.monotonic()
-        proc = subprocess.Popen(
-            argv,
-            cwd=tmp,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            env=env,
-            start_new_session=True,
-        )
-        with contextlib.suppress(BrokenPipeError):
-            proc.stdin.write(case.stdin)
-        proc.stdin.close()
+        stdin = Path(tmp) / ".stdin"  # a file, not a pipe: a command that never reads it cannot block us
+        stdin.write_bytes(case.stdin)
+        with stdin.open("rb") as given:
+            proc = subprocess.Popen(
+                argv,
+                cwd=tmp,
+                stdin=given,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                env=env,
+                start_new_session=True,
+            )
         err, timed_out, listening = _read_stderr(proc, timeout, case.serve)
         if timed_out or listening:
             os.killpg(proc.pid, signal.SIGKILL if timed_out else signal.SIGTERM)

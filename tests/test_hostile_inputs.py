@@ -531,3 +531,34 @@ def test_a_refusal_after_a_threads_note_is_still_one_line(monkeypatch, capsys):
 
     common.run(fine, "prog")
     assert capsys.readouterr().err == "note: other processes kept 1.0 CPUs busy\n"
+
+
+def test_a_snapshot_declaring_gigabytes_it_does_not_hold_is_refused_unread(run_main, tmp_path):
+    import struct
+
+    good = _snapshot(tmp_path, 0.0).read_bytes()
+    n = struct.unpack("<Q", good[:8])[0]
+    header = json.loads(good[8:8 + n])
+    tokens = 2**22  # 2 x 2 layers x 4M tokens x 32 floats: 2 GiB of rows
+    rows = 2 * tokens * 32 * 4
+    header |= {"keys": {"dtype": "F32", "shape": [2, tokens, 32], "data_offsets": [0, rows]},
+               "values": {"dtype": "F32", "shape": [2, tokens, 32], "data_offsets": [rows, 2 * rows]},
+               "token_ids": {"dtype": "I32", "shape": [tokens],
+                             "data_offsets": [2 * rows, 2 * rows + 4 * tokens]}}  # fmt: skip
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    sparse = tmp_path / "sparse.safetensors"
+    with sparse.open("wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        f.truncate(8 + len(text) + 2 * rows + 4 * tokens)  # nothing written: no disk, no memory
+    t = time.perf_counter()
+    refused(run_main(inspect.main, "kv-inspect", sparse), "kv-inspect", "declares 2.0 GiB of rows")
+    assert time.perf_counter() - t < 3
+
+
+def test_serve_refuses_a_host_name_idna_cannot_encode(run_main):
+    from inferno.cli import serve
+
+    for host in ("a" * 100, "x..y", "\udc80"):
+        refused(run_main(serve.main, "model-serve", TINY, "--host", host, "--port", "0"), "model-serve",
+                "is not a valid host name or address")  # fmt: skip
