@@ -83,6 +83,13 @@ def choice(name: str, value: Any, valid: Sequence[str], optional: bool = False) 
     return value
 
 
+def shown_path(path: str | os.PathLike) -> str:
+    """A path in a one-line message: a name of thousands of characters shortened."""
+    text = os.fspath(path) if isinstance(path, str | os.PathLike) else str(path)
+    text = str(text)
+    return text if len(text) <= 200 else f"{text[:100]}... ({len(text):,} characters)"
+
+
 def special_file(path: str | os.PathLike) -> str | None:
     """What `path` is when it exists and is not a regular file (symlinks followed): "a FIFO (named
     pipe)", "a character device", "a directory"...; None for a regular file or nothing there."""

@@ -562,3 +562,12 @@ def test_serve_refuses_a_host_name_idna_cannot_encode(run_main):
     for host in ("a" * 100, "x..y", "\udc80"):
         refused(run_main(serve.main, "model-serve", TINY, "--host", host, "--port", "0"), "model-serve",
                 "is not a valid host name or address")  # fmt: skip
+
+
+def test_a_file_name_too_long_is_one_short_line(gen, calc, run_main):
+    name = "x" * 5000 + ".gguf"
+    line = refused(gen(name, "hi", "2"), "model-generate", "File name too long", "(5,005 characters)")
+    assert len(line) < 300
+    refused(calc("--config", name), "kv-memcalc", "File name too long")
+    refused(run_main(inspect.main, "kv-inspect", name[:-5] + ".safetensors"), "kv-inspect", "no such file")
+    refused(gen("--save-cache", name, TINY, "hi", "2"), "model-generate", "File name too long")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import os
 import signal
 import socket
 import sys
@@ -18,6 +19,7 @@ from time import perf_counter
 
 import click
 
+from inferno.arguments import shown_path
 from inferno.cli.common import (
     EXIT_INTERRUPTED,
     check_activations,
@@ -137,8 +139,8 @@ def command(model, host, port, kv, kv_dtype, block_size, cache_memory, max_batch
     if api_key is not None and not api_key.strip():
         raise InfernoError("--api-key is empty")
     model_path = model_file(model)
-    if not model_path.is_file():
-        raise InfernoError(f"no model file at {model_path}")
+    if not os.path.isfile(model_path):  # (os.path: a name too long is not a file, not an OSError)
+        raise InfernoError(f"no model file at {shown_path(model_path)}")
     sock = bind(host, port)
     if not is_loopback(host) and api_key is None:
         say(f"warning: listening on {host} without --api-key: anyone who reaches it can use the model")

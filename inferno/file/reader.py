@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
-from inferno.arguments import special_file
+from inferno.arguments import shown_path, special_file
 from inferno.errors import InfernoError
 
 GGUF_MAGIC = b"GGUF"
@@ -65,8 +65,13 @@ class _PlainMapReader(GGUFReader):
 def open_gguf(path: str | os.PathLike) -> GGUFReader:
     """Open and validate `path`; raise InfernoError naming the problem if it is not a usable GGUF."""
     path = Path(path)
-    if not path.exists():
-        raise InfernoError(f"{path}: no such file")
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        raise InfernoError(f"{shown_path(path)}: no such file") from None
+    except (OSError, ValueError) as exc:  # a name too long, a loop of symlinks, a NUL in it
+        raise InfernoError(f"{shown_path(path)}: cannot read ({getattr(exc, 'strerror', None) or exc})") \
+            from None
     if path.is_dir():
         raise InfernoError(f"{path}: is a directory, not a GGUF file")
     kind = special_file(path)

@@ -43,6 +43,7 @@ from gguf import GGUFReader
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save
 
+from inferno.arguments import shown_path
 from inferno.errors import InfernoError
 from inferno.file.config import ModelConfig
 from inferno.kv import KVCache, KVGeometry
@@ -168,8 +169,9 @@ class Snapshot:
         hold (a sparse file, a wrong checksum) is refused without them. `model` (config, fingerprint):
         the model the snapshot must be of, also checked before the rows are read."""
         path = Path(path)
-        if not path.is_file():
-            raise InfernoError(f"{path}: no such file" if not path.exists() else f"{path}: not a file")
+        if not os.path.isfile(path):  # (os.path: a name too long is no file, not an OSError)
+            shown = shown_path(path)
+            raise InfernoError(f"{shown}: not a file" if os.path.lexists(path) else f"{shown}: no such file")
         try:
             with safe_open(path, framework="numpy") as f:
                 meta = f.metadata() or {}
@@ -336,7 +338,7 @@ def check_save_path(path: str | os.PathLike) -> None:
     except FileNotFoundError:
         info = None
     except OSError as exc:
-        raise InfernoError(f"cannot save the KV cache to {path}: {exc.strerror or exc}") from None
+        raise InfernoError(f"cannot save the KV cache to {shown_path(path)}: {exc.strerror or exc}") from None
     if info is not None:
         if stat.S_ISLNK(info.st_mode):
             raise InfernoError(
@@ -348,7 +350,7 @@ def check_save_path(path: str | os.PathLike) -> None:
                 f"cannot save the KV cache to {path}: it is {_file_kind(info.st_mode)}, not a regular file"
             )
     parent = path.parent
-    if not parent.is_dir():
+    if not os.path.isdir(parent):
         raise InfernoError(f"cannot save the KV cache to {path}: no directory {parent}")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise InfernoError(f"cannot save the KV cache to {path}: directory {parent} is not writable")

@@ -9,10 +9,12 @@ mixture-of-experts models and DeepSeek's MLA layers.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from inferno.arguments import shown_path
 from inferno.errors import InfernoError
 from inferno.file.hparams import ARCH_SWA_PERIOD, MAX_LAYERS, ModelInfo, pattern_layers
 
@@ -69,9 +71,9 @@ class HFModel:
 def read_hf_config(path: str | Path) -> HFModel:
     """Parse a config.json file; every problem is one InfernoError line."""
     path = Path(path)
-    if path.is_dir():
+    if os.path.isdir(path):
         raise InfernoError(f"{path} is a directory: pass its config.json")
-    if path.exists() and not path.is_file():
+    if os.path.exists(path) and not os.path.isfile(path):
         raise InfernoError(f"{path} is not a regular file (a FIFO or device): pass a config.json")
     try:
         with path.open("rb") as f:
@@ -81,7 +83,9 @@ def read_hf_config(path: str | Path) -> HFModel:
         text = data.decode("utf-8")
     except FileNotFoundError:
         raise InfernoError(f"no such file: {path}") from None
-    except (OSError, UnicodeDecodeError) as err:
+    except OSError as err:  # (a name too long: the name is not repeated in full)
+        raise InfernoError(f"cannot read {shown_path(path)}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
         raise InfernoError(f"cannot read {path}: {err}") from None
     try:
         config = json.loads(text)
