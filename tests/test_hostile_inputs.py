@@ -419,6 +419,15 @@ def test_batch_line_numbers_out_of_range_name_the_line(gen, tmp_path, line, frag
     refused(gen(TINY, "--batch", batch, "-n", "2"), "model-generate", fragment)
 
 
+def test_a_batch_of_more_prompts_than_a_run_takes_is_refused(tmp_path):
+    from inferno.cli.generate_many import MAX_BATCH_PROMPTS, Defaults, read_batch
+
+    batch = tmp_path / "b.txt"
+    batch.write_text("hi\n" * (MAX_BATCH_PROMPTS + 1))
+    with pytest.raises(InfernoError, match="holds 65,537 lines, more than the 65,536 prompts a run takes"):
+        read_batch(str(batch), Defaults(2, 0.0, 0, 1.0, None, False, False))
+
+
 def test_batch_lines_end_at_newlines_and_a_bom_is_not_text(tmp_path):
     from inferno.cli.generate_many import Defaults, read_batch
 

@@ -49,6 +49,7 @@ class Cache:
     options: dict
 
 
+MAX_BATCH_PROMPTS = 65_536
 BATCH_FILE_LIMIT = 64 * 2**20  # bytes: 4,096 prompts of the 16 MiB a --prompt-file may be would never run
 
 
@@ -60,6 +61,9 @@ def read_batch(path: str, defaults: Defaults) -> list[dict]:
     lines = [line.removesuffix("\r") for line in text.split("\n")]
     if lines and not lines[-1]:
         lines.pop()  # the file's last line ends with a newline
+    if len(lines) > MAX_BATCH_PROMPTS:  # each a request held from the start: memory grows with them
+        raise InfernoError(f"--batch {path} holds {len(lines):,} lines, more than the {MAX_BATCH_PROMPTS:,} "
+                           "prompts a run takes: split it")
     if not lines:
         raise InfernoError(f"--batch {path} holds no prompts")
     return [parse_line(line, f"--batch {path} line {number}", defaults)
