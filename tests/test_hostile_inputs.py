@@ -580,3 +580,16 @@ def test_a_file_name_too_long_is_one_short_line(gen, calc, run_main):
     refused(calc("--config", name), "kv-memcalc", "File name too long")
     refused(run_main(inspect.main, "kv-inspect", name[:-5] + ".safetensors"), "kv-inspect", "no such file")
     refused(gen("--save-cache", name, TINY, "hi", "2"), "model-generate", "File name too long")
+
+
+def test_model_chat_stops_at_a_line_that_never_ends(run_main, monkeypatch, tmp_path):
+    import io
+
+    from inferno.cli import chat
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    monkeypatch.setattr(chat, "MAX_LINE", 1000)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\x00" * 5000))
+    refused(run_main(chat.main, "model-chat", TINY, "--chat-template", template), "model-chat",
+            "a line of standard input is more than the")  # fmt: skip

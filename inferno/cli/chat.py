@@ -38,6 +38,7 @@ from inferno.errors import InfernoError
 from inferno.kv import DEFAULT_DTYPE, DTYPES, KINDS
 
 PROG = "model-chat"
+MAX_LINE = 16 * 2**20  # characters of one line of input (model-generate's --prompt-file limit)
 COMMANDS = ("/reset", "/save FILE", "/stats")
 
 
@@ -182,12 +183,15 @@ def command(model, system, template_file, max_new, kv, kv_dtype, max_context, te
         if interactive:
             click.echo("> ", nl=False, err=True)
         try:
-            line = sys.stdin.readline()
+            line = sys.stdin.readline(MAX_LINE + 1)
         except KeyboardInterrupt:
             click.echo("", err=True)
             continue
         if not line:
             break
+        if len(line) > MAX_LINE:  # `cat /dev/zero |`: a line that never ends is not read to its end
+            raise InfernoError(f"a line of standard input is more than the {MAX_LINE >> 20} MiB a message "
+                               "may be")
         text = line.rstrip("\n")
         if not text.strip():
             continue
