@@ -593,3 +593,11 @@ def test_model_chat_stops_at_a_line_that_never_ends(run_main, monkeypatch, tmp_p
     monkeypatch.setattr(sys, "stdin", io.StringIO("\x00" * 5000))
     refused(run_main(chat.main, "model-chat", TINY, "--chat-template", template), "model-chat",
             "a line of standard input is more than the")  # fmt: skip
+
+
+def test_a_loop_of_symlinks_for_the_model_is_one_line(gen, tmp_path):
+    loop = tmp_path / "loop.gguf"
+    loop.symlink_to(loop)
+    refused(gen(loop, "hi", "2"), "model-generate", "Too many levels of symbolic links")
+    refused(gen("--save-cache", loop, "--load-cache", loop, TINY, "hi", "2"), "model-generate",
+            "--save-cache names the --load-cache file")  # fmt: skip

@@ -6,7 +6,6 @@ import json
 import os
 import sys
 from dataclasses import replace
-from pathlib import Path
 from time import perf_counter
 
 import click
@@ -245,7 +244,7 @@ def command(args, max_tokens, kv, kv_dtype, max_context, block_size, num_samples
     window_options = cache_options(window, sinks, window_positions)
     if window_options and (kv is None or kv not in KINDS or not KINDS[kv].evicts):
         raise InfernoError("--window, --sinks and --window-positions apply to --kv window")
-    if save_cache and load_cache and Path(save_cache).resolve() == Path(load_cache).resolve():
+    if save_cache and load_cache and os.path.realpath(save_cache) == os.path.realpath(load_cache):
         raise InfernoError("--save-cache names the --load-cache file, which is never modified: give another")
     if save_cache:
         from inferno.kv.snapshot import check_save_path

@@ -107,7 +107,7 @@ def entry_path(model_path: str | os.PathLike) -> Path:
 def identity(model_path: str | os.PathLike) -> dict:
     """What must not have changed for an entry to stand for the file: its size and a sample of its
     content, wherever the file lies."""
-    path = Path(model_path).resolve()
+    path = Path(os.path.realpath(model_path))  # (Path.resolve raises RuntimeError on a loop of symlinks)
     stat = path.stat()
     if not S_ISREG(stat.st_mode):  # a FIFO or device: read once, by open_gguf
         raise OSError(f"{path} is not a regular file")
