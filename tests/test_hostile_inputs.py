@@ -507,6 +507,8 @@ def test_serve_cache_memory_past_the_machine_and_unmappable_buffers(run_main, mo
     from inferno.cli import serve
     from inferno.kv import memory
 
+    refused(run_main(serve.main, "model-serve", TINY, "--block-size", "100000", "--port", "0"), "model-serve",
+            "--block-size 100,000 is more than the model's context of 256")  # fmt: skip
     monkeypatch.setattr(serve, "physical_memory", lambda: 2**30)
     refused(run_main(serve.main, "model-serve", TINY, "--cache-memory", "2GiB", "--port", "0"), "model-serve",
             "--cache-memory 2GiB is more than this machine's 1.0 GiB")  # fmt: skip

@@ -157,6 +157,8 @@ def command(model, host, port, kv, kv_dtype, block_size, cache_memory, max_batch
     config = engine.config
     context = config.context_length
     if kv == "paged":
+        if block_size > context:  # as model-generate: every request would hold one block, mostly empty
+            raise InfernoError(f"--block-size {block_size:,} is more than the model's context of {context:,}")
         geometry = config.kv_geometry
         block_bytes = BlockPool.planned_block_nbytes(geometry, block_size, kv_dtype)
         blocks = memory // block_bytes
