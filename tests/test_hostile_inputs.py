@@ -603,3 +603,18 @@ def test_a_loop_of_symlinks_for_the_model_is_one_line(gen, tmp_path):
     refused(gen(loop, "hi", "2"), "model-generate", "Too many levels of symbolic links")
     refused(gen("--save-cache", loop, "--load-cache", loop, TINY, "hi", "2"), "model-generate",
             "--save-cache names the --load-cache file")  # fmt: skip
+
+
+def test_serve_refuses_a_surrogate_or_huge_prompt_with_a_400(tiny):
+    from inferno.serve.app import ServeConfig, encode_prompt
+    from inferno.serve.protocol import APIError
+
+    config = ServeConfig("tiny", 256, tiny.config.vocab_size)
+    with pytest.raises(APIError) as bad:
+        encode_prompt(tiny.tokenizer, config, "a\ud800", "prompt")  # was a 500 (TypeError in tokenizers)
+    assert bad.value.status == 400 and "lone surrogate at character 1" in bad.value.message
+    t = time.perf_counter()
+    with pytest.raises(APIError) as bad:
+        encode_prompt(tiny.tokenizer, config, "x" * 50_000_000, "prompt")  # was 8 GB and minutes
+    assert bad.value.code == "context_length_exceeded" and time.perf_counter() - t < 2
+    assert encode_prompt(tiny.tokenizer, config, "hi", "prompt") == tiny.tokenizer.encode("hi")

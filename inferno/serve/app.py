@@ -191,7 +191,7 @@ def prepare_chat(tokenizer: GGUFTokenizer, config: ServeConfig, body: ChatComple
         text = render_chat(tokenizer, config.chat_template, messages)
     except InfernoError as exc:
         raise bad_request(str(exc), "messages") from None
-    ids = tokenizer.encode(text)
+    ids = encode_prompt(tokenizer, config, text, "messages")
     bos = tokenizer.bos_id
     if bos is not None and ids[:2] == [bos, bos]:  # the template wrote bos_token, and encode added one
         ids = ids[1:]
@@ -204,7 +204,7 @@ def prepare_completion(tokenizer: GGUFTokenizer, config: ServeConfig, body: Comp
         if isinstance(prompt, str):
             if not prompt:
                 raise bad_request("the prompt is empty", "prompt")
-            prompts.append(tokenizer.encode(prompt))
+            prompts.append(encode_prompt(tokenizer, config, prompt, "prompt"))
         else:
             bad = [t for t in prompt if not 0 <= t < config.vocab_size]
             if bad:
@@ -212,6 +212,21 @@ def prepare_completion(tokenizer: GGUFTokenizer, config: ServeConfig, body: Comp
                                   "prompt")
             prompts.append(list(prompt))
     return Prepared(prompts, new_tokens(config, prompts, body.new_tokens, "prompt"), body.n or 1)
+
+
+def encode_prompt(tokenizer: GGUFTokenizer, config: ServeConfig, text: str, param: str) -> list[int]:
+    """The prompt's token ids; a 400 for text that is not UTF-8 (a lone surrogate, which JSON's \\ud800
+    can write) or that must be longer than the context, refused before all of it is tokenized."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"the {param} holds a lone surrogate at character {exc.start}: not UTF-8 text",
+                          param) from None
+    try:
+        return tokenizer.encode(text, config.max_sequence)
+    except InfernoError as exc:
+        raise bad_request(f"This model's maximum context length is {config.max_sequence} tokens. However, "
+                          f"the {exc}", param, "context_length_exceeded") from None
 
 
 def new_tokens(config: ServeConfig, prompts: list[list[int]], asked: int | None, param: str) -> int:
