@@ -366,20 +366,28 @@ def batch_case(rng: random.Random, seed: int) -> Case:
     what = []
     mode = rng.random()
     body = json.dumps(entry)
-    if mode < 0.55:  # one key set to a hostile value
-        key = rng.choice([*BATCH_KEYS, "unknown", "Prompt", "", "\\ud800"])
-        text = pick_json(rng)
-        try:
-            value = json.loads(text)
-            verdict = _batch_value_ok(key, value) if key in BATCH_KEYS else False
-        except (ValueError, RecursionError):
-            verdict = False
-        if key == "prompt" and text.startswith('"\\ud'):
-            verdict = False
-        what.append(f"{key}={text[:40]}")
-        entry.pop(key, None)
-        body = json.dumps(entry)[:-1] + (", " if entry else "") + f'"{key}": {text}}}'
-        must_refuse, maybe = verdict is False, verdict is None
+    if mode < 0.55:  # one to three keys set to hostile values
+        verdicts = []
+        hostile = {}
+        for _ in range(rng.choice([1, 1, 1, 2, 3])):
+            key = rng.choice([*BATCH_KEYS, "unknown", "Prompt", "", "\\ud800"])
+            text = pick_json(rng)
+            try:
+                value = json.loads(text)
+                verdict = _batch_value_ok(key, value) if key in BATCH_KEYS else False
+            except (ValueError, RecursionError):
+                verdict = False
+            if key == "prompt" and text.startswith('"\\ud'):
+                verdict = False
+            if key == "max_new_tokens" and verdict and value > 200:
+                verdict = None  # past the tiny model's context of 256: refused, or run to its end
+            verdicts.append(verdict)
+            what.append(f"{key}={text[:40]}")
+            entry.pop(key, None)
+            hostile[key] = text
+        pairs = [json.dumps(entry)[1:-1], *(f'"{k}": {t}' for k, t in hostile.items())]
+        body = "{" + ", ".join(p for p in pairs if p) + "}"
+        must_refuse, maybe = False in verdicts, None in verdicts
     elif mode < 0.65:  # duplicate keys
         key = rng.choice(BATCH_KEYS)
         body = json.dumps(entry)[:-1] + f', "{key}": {pick_json(rng)}, "{key}": {pick_json(rng)}}}'
@@ -671,8 +679,14 @@ def memcalc_flags(rng: random.Random, p: float) -> list[str]:
     return args
 
 
+KV_DTYPES = ["f32", "f16", "q8_0", "q8_0h", "q4_0", "q4_0h", "q4_kivi", "q4_recent", "bf16", "fp8", "x", ""]
+
+
 def memcalc_case(rng: random.Random, seed: int) -> Case:
     args = ["--layers", rng.choice(["2", "32", "80"]), "--kv-heads", rng.choice(["1", "8"])]
+    if rng.random() < 0.3:  # from a model's metadata, with inferno's own caches sized (--kv, --kv-dtype)
+        args = ["--model", str(TINY), "--kv", rng.choice([*MEMCALC_FLAGS["--kv"], "basic"]),
+                "--kv-dtype", rng.choice(KV_DTYPES)]
     for flag in rng.sample(sorted(MEMCALC_FLAGS), rng.randint(1, 5)):
         args += [flag, rng.choice(MEMCALC_FLAGS[flag])]
     if rng.random() < 0.3:
@@ -1168,6 +1182,10 @@ def flags_case(rng: random.Random, seed: int) -> Case:
             files[model] = b"hello\n"
         argv[1] = model
         what.append(f"model {model[:30]!r}")
+    if name in ("model-generate", "kv-inspect") and rng.random() < 0.5:  # a cache kind its flags go with
+        argv += ["--kv", rng.choice(["window", "paged", "prealloc", "basic", "pages", "zzz"])]
+        if rng.random() < 0.5:
+            argv += ["--kv-dtype", rng.choice(KV_DTYPES)]
     for _ in range(rng.randint(1, 3)):
         kind = rng.choice([k for k in ("int", "float", "text") if spec[k]])
         flag = rng.choice(spec[kind])
