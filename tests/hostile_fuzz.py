@@ -20,6 +20,7 @@ than 1 GB. A case is (kind, seed): the same pair always makes the same input.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -41,7 +42,7 @@ BIN = Path(sys.executable).parent
 TINY = ROOT / "tests" / "fixtures" / "tiny_llama.gguf"  # context 256: any run it accepts ends quickly
 REFUSED_MEMORY = 1 << 30  # bytes: the most a refused case may have used
 TIMEOUT = 30.0
-KINDS = ("batch", "config", "memcalc", "template", "snapshot", "flags")
+KINDS = ("batch", "config", "memcalc", "template", "snapshot", "flags", "http")
 
 
 @dataclass
@@ -685,8 +686,14 @@ KV_DTYPES = ["f32", "f16", "q8_0", "q8_0h", "q4_0", "q4_0h", "q4_kivi", "q4_rece
 def memcalc_case(rng: random.Random, seed: int) -> Case:
     args = ["--layers", rng.choice(["2", "32", "80"]), "--kv-heads", rng.choice(["1", "8"])]
     if rng.random() < 0.3:  # from a model's metadata, with inferno's own caches sized (--kv, --kv-dtype)
-        args = ["--model", str(TINY), "--kv", rng.choice([*MEMCALC_FLAGS["--kv"], "basic"]),
-                "--kv-dtype", rng.choice(KV_DTYPES)]
+        args = [
+            "--model",
+            str(TINY),
+            "--kv",
+            rng.choice([*MEMCALC_FLAGS["--kv"], "basic"]),
+            "--kv-dtype",
+            rng.choice(KV_DTYPES),
+        ]
     for flag in rng.sample(sorted(MEMCALC_FLAGS), rng.randint(1, 5)):
         args += [flag, rng.choice(MEMCALC_FLAGS[flag])]
     if rng.random() < 0.3:
@@ -1243,6 +1250,187 @@ def flags_case(rng: random.Random, seed: int) -> Case:
     )
 
 
+# -- model-serve's HTTP requests --------------------------------------------------------------------
+
+COMPLETION = {"model": "tiny_llama", "prompt": "Once upon a time", "max_tokens": 2}
+CHAT = {"model": "tiny_llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+HTTP_KEYS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+    "seed",
+    "echo",
+    "user",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "response_format",
+    "tools",
+    "suffix",
+    "best_of",
+    "unknown",
+]
+MESSAGES = ['[]', '[{}]', '[{"role": "user"}]', '[{"role": "user", "content": null}]',
+            '[{"role": "user", "content": [{"type": "text", "text": "hi"}]}]',
+            '[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]',
+            '[{"role": "system", "content": "s"}]', '[{"role": "bogus", "content": "hi"}]',
+            '[{"role": "user", "content": 1}]', '[{"role": "user", "content": "\\ud800"}]',
+            '[{"role": "user", "content": "hi", "name": ' + json.dumps("n" * 1000) + '}]', '"hi"', "null",
+            '[{"role": "user", "content": ' + json.dumps("x" * 3_000_000) + "}]"]  # fmt: skip
+
+
+def http_case(rng: random.Random, seed: int) -> Case:
+    """One model-serve process, sent one to three hostile requests (see run_http)."""
+    requests = []
+    for _ in range(rng.randint(1, 3)):
+        chat = rng.random() < 0.45
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        body = dict(CHAT if chat else COMPLETION)
+        mode = rng.random()
+        if mode < 0.6:
+            raw_values = {}
+            for _ in range(rng.randint(1, 3)):
+                key = rng.choice(HTTP_KEYS)
+                raw_values[key] = (
+                    rng.choice(MESSAGES) if key == "messages" and rng.random() < 0.6 else pick_json(rng)
+                )
+                body.pop(key, None)
+            pairs = [json.dumps(body)[1:-1], *(f'"{k}": {v}' for k, v in raw_values.items())]
+            data = ("{" + ", ".join(p for p in pairs if p) + "}").encode("utf-8", "surrogatepass")
+            what = ",".join(f"{k}={v[:15]}" for k, v in raw_values.items())
+        else:
+            data = rng.choice(
+                [
+                    b"",
+                    b"{",
+                    b"[]",
+                    b"null",
+                    b'"x"',
+                    b"\xff\xfe",
+                    deep(100_000).encode(),
+                    b"\xef\xbb\xbf" + json.dumps(body).encode(),
+                    json.dumps(body).encode() * 2,
+                    b'{"prompt": "' + b"y" * 20_000_000 + b'", "model": "tiny_llama"}',
+                    json.dumps({**body, "stream": True}).encode(),
+                ]
+            )
+            what = f"raw {data[:15]!r}"
+        method = rng.choice(["POST"] * 8 + ["GET", "PUT"])
+        if rng.random() < 0.1:
+            path = rng.choice(
+                [
+                    "/v1/models",
+                    "/health",
+                    "/metrics",
+                    "/v1/models/x",
+                    "/v1//completions",
+                    "/v1/completions?x=%ff",
+                    "/" + "a" * 10000,
+                ]
+            )
+        headers = {
+            "Content-Type": rng.choice(["application/json"] * 6 + ["text/plain", "", "x/x; charset=zz"])
+        }
+        if rng.random() < 0.1:
+            headers["Authorization"] = rng.choice(["Bearer", "Bearer x", "Basic \xff", "x" * 8000])
+        requests.append({"method": method, "path": path, "body": data, "headers": headers, "what": what})
+    argv = [str(BIN / "model-serve"), str(TINY), "--port", "0", "--threads", "1"]
+    return Case(
+        "http",
+        seed,
+        argv,
+        " | ".join(f"{r['method']} {r['path'][:25]} {r['what']}" for r in requests),
+        serve=True,
+        files={
+            "requests.json": json.dumps(
+                [{**r, "body": r["body"].decode("latin-1")} for r in requests]
+            ).encode()
+        },
+    )
+
+
+def run_http(case: Case, timeout: float = TIMEOUT) -> Result:
+    """Start the server, send the case's requests, stop it with SIGTERM: a 5xx other than 503, a request
+    that fails or hangs, a traceback, or a server that dies or does not stop cleanly is a bug."""
+    import http.client
+
+    requests = json.loads(case.files["requests.json"])
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        case.argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        env={**os.environ, "NO_COLOR": "1"},
+    )
+    err, _, listening = _read_stderr(proc, timeout, True)
+    verdict = None
+    if not listening:
+        verdict = "server did not start"
+    else:
+        port = int(err.decode().split("listening on http://127.0.0.1:")[1].split()[0])
+        for r in requests:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+                conn.request(
+                    r["method"],
+                    r["path"],
+                    body=r["body"].encode("latin-1"),
+                    headers={k: v for k, v in r["headers"].items() if v},
+                )
+                status = conn.getresponse().status
+                conn.close()
+            except (OSError, http.client.HTTPException) as exc:
+                verdict = f"request failed ({type(exc).__name__})"
+                break
+            if status >= 500 and status != 503:
+                verdict = f"http {status}"
+                break
+        if proc.poll() is not None and verdict is None:
+            verdict = "server died"
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        _, status, usage = _wait4(proc.pid, timeout)
+    except TimeoutError:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, status, usage = os.wait4(proc.pid, 0)
+        verdict = verdict or "did not stop on SIGTERM"
+    err += proc.stderr.read()
+    proc.stderr.close()
+    text = err.decode("utf-8", "replace")
+    code = os.waitstatus_to_exitcode(status)
+    if verdict is None and ("Traceback" in text or "Exception in ASGI" in text):
+        verdict = "traceback"
+    if verdict is None and code not in (0, -signal.SIGTERM):
+        verdict = f"exit {code}"
+    peak = usage.ru_maxrss * 1024
+    if verdict is None and peak > REFUSED_MEMORY:
+        verdict = "server over 1 GB"
+    return Result(case, code, text, time.monotonic() - t0, peak, verdict or "ok-served")
+
+
+def _wait4(pid: int, timeout: float):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = os.wait4(pid, os.WNOHANG)
+        if done[0]:
+            return done
+        time.sleep(0.05)
+    raise TimeoutError
+
+
 GENERATORS = {
     "batch": batch_case,
     "config": config_case,
@@ -1250,6 +1438,7 @@ GENERATORS = {
     "template": template_case,
     "snapshot": snapshot_case,
     "flags": flags_case,
+    "http": http_case,
 }
 
 
@@ -1261,6 +1450,8 @@ def make_case(kind: str, seed: int) -> Case:
 
 
 def run_case(case: Case, timeout: float = TIMEOUT) -> Result:
+    if case.kind == "http":
+        return run_http(case, timeout)
     with tempfile.TemporaryDirectory(prefix="hostile-") as tmp:
         for name, data in case.files.items():
             path = Path(tmp) / name

@@ -618,3 +618,12 @@ def test_serve_refuses_a_surrogate_or_huge_prompt_with_a_400(tiny):
         encode_prompt(tiny.tokenizer, config, "x" * 50_000_000, "prompt")  # was 8 GB and minutes
     assert bad.value.code == "context_length_exceeded" and time.perf_counter() - t < 2
     assert encode_prompt(tiny.tokenizer, config, "hi", "prompt") == tiny.tokenizer.encode("hi")
+
+
+def test_serve_refuses_a_body_nested_too_deeply_with_a_400():
+    from inferno.serve.protocol import APIError, CompletionRequest, parse
+
+    for raw in (b"[" * 100_000 + b"]" * 100_000, b'{"prompt": ' + b'{"a":' * 50_000 + b"1" + b"}" * 50_001):
+        with pytest.raises(APIError) as bad:
+            parse(CompletionRequest, raw)  # was a 500 (RecursionError)
+        assert bad.value.status == 400 and "nests arrays or objects too deeply" in bad.value.message

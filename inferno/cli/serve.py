@@ -200,10 +200,15 @@ def command(model, host, port, kv, kv_dtype, block_size, cache_memory, max_batch
     say(cache_line)
     say(f"max batch {max_batch}, {step_tokens} tokens a step, up to {max_waiting} waiting; chat template: "
         + ("--chat-template" if template else "the model's" if has_model_template else "none (chat refused)"))
-    server = _server(app, sock, access_log, loop)
+    listening = f"listening on {url_of(sock)} (OpenAI API under /v1)"
+    listening += ", API key required" if api_key else ""
+
+    def started() -> None:  # said once connections are accepted and SIGTERM/SIGINT stop the server
+        release_notes()
+        say(listening)
+
+    server = _server(app, sock, access_log, loop, started)
     loop.start()
-    release_notes()
-    say(f"listening on {url_of(sock)} (OpenAI API under /v1)" + (", API key required" if api_key else ""))
     try:
         server.run(sockets=[sock])
     finally:
@@ -214,7 +219,7 @@ def command(model, host, port, kv, kv_dtype, block_size, cache_memory, max_batch
     say("stopped")
 
 
-def _server(app, sock: socket.socket, access_log: bool, engine_loop):
+def _server(app, sock: socket.socket, access_log: bool, engine_loop, started=lambda: None):
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -232,6 +237,11 @@ def _server(app, sock: socket.socket, access_log: bool, engine_loop):
             finally:
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and not self.should_exit:
+                started()
 
         def handle_exit(self, sig: int, frame) -> None:
             self.signals.append(sig)

@@ -173,6 +173,8 @@ def parse(schema: type[_Schema], raw: bytes) -> Any:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"the body is not valid JSON: {exc}") from None
+    except RecursionError:  # `[[[[...` 100,000 deep: json's recursive decoder gives up
+        raise bad_request("the body nests arrays or objects too deeply") from None
     if not isinstance(data, dict):
         raise bad_request("the body must be a JSON object")
     try:
