@@ -34,8 +34,8 @@ fuzz: setup
 	$(FUZZ_ENV) $(BIN)/python tests/gguf_fuzz.py --cases 5000 --first-seed 100000
 
 ## fuzz-hostile: 1,200 generated hostile inputs (--batch lines, config.json files, kv-memcalc flags, chat
-## templates, snapshots, every command's flags and model paths), each a subprocess: one line and exit 2,
-## or a run; never a traceback, a signal, a hang, or a refusal after more than 1 GB
+## templates, snapshots, every command's flags and file paths, model-serve's HTTP requests), each a
+## subprocess: one line and exit 2, or a run; never a traceback, a signal, a hang, or a refusal past 1 GB
 fuzz-hostile: setup
 	$(BIN)/python tests/hostile_fuzz.py --cases 1200 --seed 1000
 

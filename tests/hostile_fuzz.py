@@ -8,13 +8,16 @@ The kinds: `batch` (model-generate --batch lines: wrong types, nulls, huge/NaN/1
 nesting, surrogates, BOMs, CRLF, non-UTF-8 bytes, duplicate keys), `config` (kv-memcalc --config
 config.json fields and text_config), `memcalc` (kv-memcalc flags and sizes with odd units), `template`
 (--chat-template files of model-generate --chat and model-chat), `snapshot` (kv-inspect FILE and
---load-cache FILE: truncated, wrong magic, wrong shapes, NaN rows, huge declared sizes) and `flags`
-(every numeric flag of every command, and model names that are directories, FIFOs or devices).
+--load-cache FILE: truncated, wrong magic, wrong shapes, NaN rows, huge declared sizes), `flags`
+(every numeric flag of every command, model names and file flags that are directories, FIFOs, devices,
+loops of symlinks or huge files, odd standard input for model-chat) and `http` (a model-serve per case,
+sent one to three hostile requests: wrong types, huge and deep bodies, odd paths, methods and headers).
 
-A case is good when it exits 2 with one `PROG: error: ...` line on stderr (`note:` lines aside), or
+A case is good when it exits 2 with one `PROG: error: ...` line on stderr and nothing else, or
 exits 0 when its input may be valid. A bug: a traceback, any other exit code, a signal, a timeout, a
 refusal of more than one line, exit 0 for input that must be refused, or a refusal that first took more
-than 1 GB. A case is (kind, seed): the same pair always makes the same input.
+than 1 GB. An http case is good when every request gets an answer below 500 (or 503) and the server
+stops cleanly on SIGTERM. A case is (kind, seed): the same pair always makes the same input.
 """
 
 from __future__ import annotations
@@ -1524,7 +1527,7 @@ def classify(case: Case, code: int, err: str, peak: int, timed_out: bool, listen
     if code != 2:
         return f"exit {code}"
     prog = Path(case.argv[0]).name
-    lines = [line for line in err.strip().splitlines() if not line.startswith("note: ")]
+    lines = err.strip().splitlines()  # a note held from the start-up is dropped by a refusal too
     if prog == "model-chat":  # a turn's refusal is one line and the session goes on: the last line decides
         lines = lines[-1:]
     if len(lines) != 1 or not lines[0].startswith(f"{prog}: "):
