@@ -141,7 +141,7 @@ def test_ctrl_c_prints_the_metrics_so_far_and_exits_130(model_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
     assert first and (first + out).endswith(b"\n")
-    lines = err.decode().splitlines()
+    lines = [line for line in err.decode().splitlines() if not line.startswith("note: ")]  # a busy machine's
     assert lines[0].startswith("model-generate: interrupted after ") and lines[0].endswith(" tokens")
     assert "Metrics" in err.decode() and "Traceback" not in err.decode()
 
