@@ -323,6 +323,10 @@ def number_for(rng: random.Random, kind: str = "int") -> str:
 BATCH_KEYS = ["prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos"]
 
 
+def _finite(value: float) -> bool:
+    return isinstance(value, int) or math.isfinite(value)  # (an int of 400 digits is no float)
+
+
 def _batch_value_ok(key: str, value: object) -> bool | None:
     """True: valid; False: must be refused; None: either."""
     number = isinstance(value, int | float) and not isinstance(value, bool)
@@ -333,11 +337,11 @@ def _batch_value_ok(key: str, value: object) -> bool | None:
             return False
         return None if value > 64 else True
     if key == "temperature":
-        return number and math.isfinite(value) and (value == 0 or value >= 1e-6)
+        return number and _finite(value) and (value == 0 or value >= 1e-6)
     if key == "top_k":
         return isinstance(value, int) and not isinstance(value, bool) and value >= 0
     if key == "top_p":
-        return number and math.isfinite(value) and 0 < value <= 1
+        return number and _finite(value) and 0 < value <= 1
     if key == "seed":
         return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
     if key == "stop":
@@ -1456,7 +1460,12 @@ def run_pair(kind: str, seed: int, timeout: float = TIMEOUT) -> Result:
     """The case made, run and let go of: the fuzzer stays small, and so does what a child's peak RSS
     counts of it (Linux's ru_maxrss keeps the high-water mark of the memory a child had before exec, a
     copy of ours)."""
-    result = run_case(make_case(kind, seed), timeout)
+    try:
+        case = make_case(kind, seed)
+    except Exception as exc:  # the fuzzer's own bug: reported as one, the run goes on
+        return Result(Case(kind, seed, ["(none)"], f"making the case: {exc!r}"[:200]), None, "", 0.0, 0,
+                      "fuzzer error")
+    result = run_case(case, timeout)
     result.case.files, result.case.stdin = {}, b""
     return result
 

@@ -412,6 +412,7 @@ def test_config_counts_of_the_parameter_estimate_are_checked(calc, tmp_path, cha
     ('{"prompt": "hi", "top_k": -3}', "line 1: top_k must be 0 (off) or more"),
     ('{"prompt": "hi", "temperature": 1e-9}', "line 1: temperature must be 0 (greedy) or from"),
     ('{"prompt": "hi", "seed": 1' + "0" * 5000 + "}", "line 1: holds a number too long to read"),
+    ('{"prompt": "hi", "temperature": 1' + "0" * 400 + "}", "temperature is past what a float holds"),
 ])  # fmt: skip
 def test_batch_line_numbers_out_of_range_name_the_line(gen, tmp_path, line, fragment):
     batch = tmp_path / "b.jsonl"

@@ -97,6 +97,8 @@ def parse_line(line: str, where: str, defaults: Defaults) -> dict:
                 isinstance(value, float) and not math.isfinite(value)):
             kinds = " or ".join(t.__name__ for t in types)
             raise InfernoError(f"{where}: {name} must be a number ({kinds}), got {json.dumps(value)[:40]}")
+        if float in types and isinstance(value, int) and abs(value) > 1e300:  # sampling divides by it
+            raise InfernoError(f"{where}: {name} is past what a float holds, got {_shown(value)}")
     limits = (("max_new_tokens", 1 <= options["max_new_tokens"] <= MAX_NEW_TOKENS,
                f"from 1 to {MAX_NEW_TOKENS:,}, the most a run can take"),
               ("temperature", options["temperature"] == 0 or options["temperature"] >= MIN_TEMPERATURE,
