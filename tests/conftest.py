@@ -25,6 +25,16 @@ QWEN_MODEL = ROOT / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 FIXTURES = ROOT / "tests" / "fixtures"
 
 
+@pytest.fixture(autouse=True)
+def no_startup_guess(monkeypatch):
+    """Commands run in this process start on every thread: how busy the machine was while pytest
+    started is no guide, and a note about it would be a line no test expects (the thread governor's
+    own tests give it machines of their own)."""
+    from inferno.runtime.threads import GOVERNOR
+
+    monkeypatch.setattr(GOVERNOR, "others", lambda: None)
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Under CI a missing model fails the run: a CI that skips most of the suite is not a green CI."""
     if os.environ.get("CI", "").lower() not in ("true", "1"):

@@ -51,7 +51,7 @@ class ThreadGovernor:
         self.most = most  # Numba's NUMBA_NUM_THREADS: affinity and CPU quota applied (inferno/__init__.py)
         self._apply = apply or self._set_pools
         self._clock = clock
-        self._others = others
+        self.others = others  # read once, by settle()
         self._settled = False
         self.fixed: int | None = None
         self.current = most
@@ -77,7 +77,7 @@ class ThreadGovernor:
         on it too. All threads unless other processes kept CPUs busy since start-up."""
         if self.fixed is None and not self._settled:
             self._settled = True
-            others = self._others()
+            others = self.others()
             if others is not None:
                 free = max(1, (os.cpu_count() or self.most) - round(others))
                 first = next(n for n in self._ladder if n <= free)
