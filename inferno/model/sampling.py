@@ -25,6 +25,10 @@ class Sampler:
     rng: np.random.Generator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):  # an int past a float's range (10**400) never divides logits
+            value = getattr(self, name)
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 1e300:
+                raise InfernoError(f"--{name.replace('_', '-')} is past what a float holds")
         if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
             raise InfernoError(f"--temperature must be 0 (greedy) or from {MIN_TEMPERATURE} up, "
                                f"got {self.temperature}")
