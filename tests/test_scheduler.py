@@ -16,9 +16,8 @@ PROMPTS = ["Once upon a time", "The best way to learn a language is", "def fibon
            "In 1969, the first humans"]
 ROW_TYPES = ("f32", "f16", "q8_0", "q8_0h", "q4_0", "q4_0h")
 GROUPED = ("q4_recent", "q4_kivi")  # state across positions: a ring and key means, key groups
-# every (layout, element type) pair a layout holds: basic f32 only; window the row types; paged all
-PAIRS = ([("basic", "f32")] + [("window", d) for d in ROW_TYPES]
-         + [("paged", d) for d in ROW_TYPES + GROUPED])
+# every (layout, element type) pair a layout holds: basic f32 only; window and paged all
+PAIRS = [("basic", "f32")] + [(kind, d) for kind in ("window", "paged") for d in ROW_TYPES + GROUPED]
 
 
 def greedy(engine, ids: list[int], kv: str, dtype: str = "f32", **options) -> list[int]:

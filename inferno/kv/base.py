@@ -68,7 +68,7 @@ class KVCache(ABC):
             element_type(dtype)  # an unknown name gets the list of every element type
             raise InfernoError(
                 f"a {cls.kind} cache holds {', '.join(cls.dtypes)} rows, not {dtype} "
-                "(prealloc and paged hold any)"
+                "(prealloc, window and paged hold any)"
             )
         return element_type(dtype)
 

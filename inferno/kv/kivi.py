@@ -14,9 +14,10 @@ sum_c q_c m_c + sum_c (q_c d_c) n_cs, a vectorized pass over the group's 4-bit c
 
 Where rows live is the layout's: a group's key record is cut into one piece per position (`key_row_bytes`),
 so key and value rows sit wherever a layout keeps a position's rows, found through a block table as
-`blocks.attend_tables` finds them (prealloc: one block; paged: the pool's blocks). The open group is the
-sequence's own (`KiviState`). A query over a sliding window leaves out the positions of its first group
-that fall before the window.
+`blocks.attend_tables` finds them (prealloc: one block; paged: the pool's blocks; window: a ring of
+blocks, `KiviRing`). The open group is the sequence's own (`KiviState`). A query over a sliding window
+leaves out the positions of its first group that fall before the window; a window cache's sinks, kept
+in f16 as the open group is, are one more span, scored with a query of their own.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from inferno.kv.geometry import KVGeometry
 from inferno.kv.memory import lazy_zeros
 
 GROUP = 64  # positions per key group
+UNBOUNDED = 2**62  # the capacity of a window's state, which runs past any: it closes every group
 HALF = GROUP // 2  # a code byte holds position t (low nibble) and t + HALF (high)
 VALUE_ROW_BLOCK = (32, 18)  # q4_0: values per block, bytes per block
 
@@ -74,16 +76,31 @@ def sequence_nbytes(geometry: KVGeometry) -> int:
 @njit(cache=True)
 def row_of(table: np.ndarray, block_size: int, p: int) -> int:
     """The row of position p: row table[p // block_size] * block_size + p % block_size of the rows
-    (prealloc: one block holding them all; paged: the pool's blocks, blocks.attend_tables' addressing)."""
+    (prealloc: one block holding them all; paged: the pool's blocks, blocks.attend_tables' addressing).
+    A table shorter than the positions is a ring of blocks (a window cache's): its index wraps."""
     index = p // block_size
-    return np.int64(table[index]) * block_size + p - index * block_size
+    slot = index if index < table.shape[0] else index % table.shape[0]
+    return np.int64(table[slot]) * block_size + p - index * block_size
 
 
 def rows_of(table: np.ndarray, block_size: int, p0: int, p1: int) -> np.ndarray:
     """row_of of every position p0 .. p1 - 1 (int64)."""
     positions = np.arange(p0, p1)
     index = positions // block_size
-    return table[index].astype(np.int64) * block_size + positions - index * block_size
+    return table[index % len(table)].astype(np.int64) * block_size + positions - index * block_size
+
+
+def ring_blocks(window: int, sinks: int) -> int:
+    """Blocks of GROUP positions in a window cache's ring (`KiviRing`): every position until the window
+    slides (sinks + window), and after, what a query sees while a prefill piece, which ends at the end of
+    its group at the latest, closes that group over the oldest block (window.py)."""
+    return max(-(-(sinks + window) // GROUP), 1 + -(-(window - 1) // GROUP))
+
+
+def ring_nbytes(geometry: KVGeometry, window: int, sinks: int) -> int:
+    """Bytes of a KiviRing: its blocks, the open group and the sinks in f16."""
+    rows = ring_blocks(window, sinks) * GROUP * (key_row_bytes(geometry) + value_row_bytes(geometry))
+    return geometry.layers * (rows + 2 * sinks * geometry.kv_width * 2) + sequence_nbytes(geometry)
 
 
 def record_parts(record: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -144,11 +161,14 @@ def _gather_record(key_rows: np.ndarray, table: np.ndarray, block_size: int, gro
 @njit(cache=True, fastmath=True, parallel=True)
 def attention_kivi(q: np.ndarray, key_rows: np.ndarray, values: np.ndarray, table: np.ndarray,
                    block_size: int, start: int, closed: int, open_keys: np.ndarray, open_values: np.ndarray,
-                   n_heads: int) -> np.ndarray:
+                   n_heads: int, q_sinks: np.ndarray, sink_keys: np.ndarray, sink_values: np.ndarray
+                   ) -> np.ndarray:
     """One query over the whole groups start // GROUP .. closed - 1 (key rows [R, key row], values [R,
     row_bytes] q4_0 rows of rotated heads, position p at row_of(table, block_size, p); positions before
-    `start` left out) and the open group's visible f16 rows open_keys, open_values [n_open, 2 w]: a group
-    per parallel task, partial softmaxes combined at the end."""
+    `start` left out), the open group's visible f16 rows open_keys, open_values [n_open, 2 w], and a
+    window's sinks, f16 rows sink_keys, sink_values [n_sinks, 2 w] (none: 0 rows) scored with q_sinks (the
+    query moved to where they sit, window.py's shift): a group per parallel task, partial softmaxes
+    combined at the end."""
     w = open_keys.shape[1] // 2
     n_open = open_keys.shape[0]
     head_dim = q.shape[0] // n_heads
@@ -157,7 +177,7 @@ def attention_kivi(q: np.ndarray, key_rows: np.ndarray, values: np.ndarray, tabl
     scale = np.float32(1.0 / math.sqrt(head_dim))
     first = start // GROUP
     n_groups = max(closed - first, 0)
-    n_spans = n_groups + (1 if n_open else 0)
+    n_spans = n_groups + (1 if n_open else 0) + (1 if sink_keys.shape[0] else 0)
     partial = np.empty((n_spans, q.shape[0]), np.float32)
     stats = np.empty((n_spans, n_heads, 2), np.float32)
     for c in prange(n_spans):
@@ -197,14 +217,24 @@ def attention_kivi(q: np.ndarray, key_rows: np.ndarray, values: np.ndarray, tabl
                 mix_rows_at(weights, values[r : r + n], FMT_Q4_0, n_heads, partial[c], done - lo)
                 done += n
             hadamard_rows(partial[c : c + 1], head_dim)  # the values were rotated: rotate the sum back
+        elif c == n_groups and n_open:
+            _attend_f16(q, open_keys, open_values, n_heads, partial[c], stats[c])
         else:
-            k = np.empty((n_open, w), np.float32)
-            v = np.empty((n_open, w), np.float32)
-            decode_rows(open_keys, FMT_F16, k)
-            decode_rows(open_values, FMT_F16, v)
-            weights = np.empty((n_heads, n_open), np.float32)
-            attend_span(q, k, v, n_heads, weights, partial[c], stats[c])
+            _attend_f16(q_sinks, sink_keys, sink_values, n_heads, partial[c], stats[c])
     return combine_spans(partial, stats, n_heads)
+
+
+@njit(cache=True, fastmath=True)
+def _attend_f16(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: int, partial: np.ndarray,
+                stats: np.ndarray) -> None:
+    """attend_span over f16 rows keys, values [n, 2 w] (the open group, a window's sinks)."""
+    n, w = keys.shape[0], keys.shape[1] // 2
+    k = np.empty((n, w), np.float32)
+    v = np.empty((n, w), np.float32)
+    decode_rows(keys, FMT_F16, k)
+    decode_rows(values, FMT_F16, v)
+    weights = np.empty((n_heads, n), np.float32)
+    attend_span(q, k, v, n_heads, weights, partial, stats)
 
 
 ONE_BLOCK = np.zeros(1, np.int32)  # the table of rows stored in order: one block holding them all
@@ -267,34 +297,41 @@ class KiviState:
         value_rows[rows] = stored
 
     def read(self, layer: int, start: int, end: int, key_rows: np.ndarray, value_rows: np.ndarray,
-             table: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """float32 keys and values of positions start .. end - 1 (whole groups decoded from their first)."""
+             table: np.ndarray, block_size: int, written: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """float32 keys and values of positions start .. end - 1 (whole groups decoded from their first),
+        as they are once `written` positions (default: end) went in: a group closed by then from its rows."""
         g = self.geometry
-        closed, first = self.closed(end), start // GROUP
-        begin = min(first, closed) * GROUP  # the first position decoded
-        keys, values = (np.empty((end - begin, g.kv_width), np.float32) for _ in range(2))
+        closed, first = self.closed(end if written is None else written), start // GROUP
+        last = min(closed, -(-end // GROUP))  # groups decoded from their rows: first .. last - 1
+        begin = min(first, last) * GROUP  # the first position decoded
+        keys, values = (np.empty((max(end, last * GROUP) - begin, g.kv_width), np.float32) for _ in range(2))
         record = np.empty((GROUP, key_rows.shape[1]), np.uint8)
-        for group in range(first, closed):
+        for group in range(first, last):
             _gather_record(key_rows, table, block_size, group, record)
             at = slice(group * GROUP - begin, (group + 1) * GROUP - begin)
             decode_channels(*record_parts(record.reshape(-1), g.kv_width), keys[at])
-        n_closed = closed * GROUP - begin
-        closed_rows = rows_of(table, block_size, begin, closed * GROUP)
+        n_closed = last * GROUP - begin
+        closed_rows = rows_of(table, block_size, begin, last * GROUP)
         decode_rows(value_rows[closed_rows], FMT_Q4_0, values[:n_closed])
         hadamard_rows(values[:n_closed], g.head_dim)
-        n_open = end - closed * GROUP  # begin is never past the open group's first position
-        decode_rows(self.open_keys[layer, :n_open], FMT_F16, keys[n_closed:])
-        decode_rows(self.open_values[layer, :n_open], FMT_F16, values[n_closed:])
-        return keys[start - begin :], values[start - begin :]
+        n_open = max(end - last * GROUP, 0)  # the open group's (last is then closed): begin is never past it
+        decode_rows(self.open_keys[layer, :n_open], FMT_F16, keys[n_closed : n_closed + n_open])
+        decode_rows(self.open_values[layer, :n_open], FMT_F16, values[n_closed : n_closed + n_open])
+        return keys[start - begin : end - begin], values[start - begin : end - begin]
 
     def attend(self, layer: int, query: np.ndarray, start: int, end: int, key_rows: np.ndarray,
-               value_rows: np.ndarray, table: np.ndarray, block_size: int) -> np.ndarray:
+               value_rows: np.ndarray, table: np.ndarray, block_size: int,
+               sinks: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+        """The query at end - 1 over positions start .. end - 1, and a window's sinks: (their query,
+        their f16 keys and values)."""
         closed = self.closed(end)
         skip = max(start - closed * GROUP, 0)  # open rows before the window
         visible = slice(skip, end - closed * GROUP)
+        if sinks is None:
+            sinks = (query, self.open_keys[layer, :0], self.open_values[layer, :0])
         return attention_kivi(query, key_rows, value_rows, table, block_size, start, closed,
                               self.open_keys[layer, visible], self.open_values[layer, visible],
-                              self.geometry.heads)
+                              self.geometry.heads, *sinks)
 
 
 class KiviStore:
@@ -306,22 +343,24 @@ class KiviStore:
         rows, layers = self.state.groups * GROUP, geometry.layers
         self.key_rows = lazy_zeros((layers, rows, key_row_bytes(geometry)), np.uint8)
         self.values = lazy_zeros((layers, rows, value_row_bytes(geometry)), np.uint8)
-        self._block = max(rows, 1)  # the one block's size: every row is in it
+        self.table, self._block = ONE_BLOCK, max(rows, 1)  # one block holding every row
 
     @property
     def nbytes(self) -> int:
         return self.key_rows.nbytes + self.values.nbytes + self.state.nbytes
 
     def _rows(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        return self.key_rows[layer], self.values[layer], ONE_BLOCK, self._block
+        return self.key_rows[layer], self.values[layer], self.table, self._block
 
     def write(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
         self.state.write(layer, pos, k, v, *self._rows(layer))
 
     write_stored = write  # snapshots hold q4_kivi rows as float32
 
-    def read(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.state.read(layer, 0, end, *self._rows(layer))
+    def read(self, layer: int, end: int, start: int = 0, written: int | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
+        """float32 rows of positions start .. end - 1, as they are once `written` (default: end) went in."""
+        return self.state.read(layer, start, end, *self._rows(layer), written)
 
     stored = read
 
@@ -330,3 +369,49 @@ class KiviStore:
 
     def clear(self) -> None:
         pass  # groups and open rows past the cache's length are never read
+
+
+class KiviRing(KiviStore):
+    """One window cache's q4_kivi rows (`inferno.kv.window`): key groups in a ring of `ring_blocks`
+    blocks of GROUP positions, through the table of a ring (row_of wraps), which the state closes
+    forever; and the sinks' rows in f16, as the open group keeps its own. Until the window slides, every
+    position is in the ring and attention is prealloc's; after, the sinks are a span of their own."""
+
+    block = GROUP  # a prefill piece ends at a block's end at the latest (see ring_blocks)
+
+    def __init__(self, geometry: KVGeometry, window: int, sinks: int):
+        self.state = KiviState(geometry, UNBOUNDED)
+        self.geometry, self.sinks = geometry, sinks
+        blocks, layers, w = ring_blocks(window, sinks), geometry.layers, geometry.kv_width
+        self.key_rows = lazy_zeros((layers, blocks * GROUP, key_row_bytes(geometry)), np.uint8)
+        self.values = lazy_zeros((layers, blocks * GROUP, value_row_bytes(geometry)), np.uint8)
+        self.table, self._block = np.arange(blocks, dtype=np.int32), GROUP
+        self.sink_keys = lazy_zeros((layers, sinks, 2 * w), np.uint8)
+        self.sink_values = lazy_zeros((layers, sinks, 2 * w), np.uint8)
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + self.sink_keys.nbytes + self.sink_values.nbytes
+
+    def write(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
+        super().write(layer, pos, k, v)
+        n = min(self.sinks - pos, k.shape[0])
+        if n > 0:  # a sink: its own f16 copy, which outlives its group's block
+            for rows, out in ((k, self.sink_keys), (v, self.sink_values)):
+                encode_rows(np.ascontiguousarray(rows[:n], np.float32), FMT_F16, out[layer, pos : pos + n])
+
+    def sink_rows(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """float32 keys and values of the sinks, as attention reads them once the window slid."""
+        keys, values = (np.empty((self.sinks, self.geometry.kv_width), np.float32) for _ in range(2))
+        decode_rows(self.sink_keys[layer], FMT_F16, keys)
+        decode_rows(self.sink_values[layer], FMT_F16, values)
+        return keys, values
+
+    def attend(self, layer: int, query: np.ndarray, end: int, start: int = 0,
+               q_sinks: np.ndarray | None = None) -> np.ndarray:
+        """Positions start .. end - 1; with start past the sinks (the window slid) the sinks too, scored
+        with q_sinks (default: the query)."""
+        sinks = None
+        if start > self.sinks > 0:
+            sinks = (query if q_sinks is None else q_sinks, self.sink_keys[layer], self.sink_values[layer])
+        return self.state.attend(layer, query, start, end, *self._rows(layer), sinks)

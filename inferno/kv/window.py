@@ -9,12 +9,20 @@ capacity is what the request needs (its prompt and new tokens) and may be less t
 layer then holds only `capacity` slots, never wraps and refuses past it as the global ones do, so a
 short request allocates what it keeps (an 8-token Gemma 3 request: 8 rows a layer, not 516 and 32,768).
 
-Rows are stored in an element type (`--kv-dtype`, `inferno.kv.dtypes`) that keeps each position's row
-on its own: f32, f16, q8_0, q8_0h, q4_0, q4_0h. A slot holds a row encoded as it is written; decode
-attention runs on the stored slot rows directly (softmax does not care about their order), and
-readers and prefill's attention over older rows get them decoded. q4_kivi and q4_recent store
-positions in groups (channel groups of 64, segment means, a q8_0 ring of their own), which a ring
-overwriting one position at a time cannot hold: they are refused.
+Rows are stored in any element type (`--kv-dtype`, `inferno.kv.dtypes`). A row type (f32, f16, q8_0,
+q8_0h, q4_0, q4_0h) keeps each position's row on its own: a slot holds a row encoded as it is written;
+decode attention runs on the stored slot rows directly (softmax does not care about their order), and
+readers and prefill's attention over older rows get them decoded.
+
+q4_kivi and q4_recent round positions together (key groups of 64; segments of 128 sharing a key mean),
+so a sliding layer keeps whole groups: a ring of blocks of 64 (128) positions (`kivi.KiviRing`,
+`recent.RecentRing`), which their own kernels read through the table of a ring, as prealloc's rows and
+paged's blocks are read. The state runs on past any capacity (q4_kivi closes every group; q4_recent
+writes every row into the body, its key means a ring too), and the ring holds every position until the
+window slides, so attention is prealloc's until then. The sinks are kept apart from the ring in the
+form the newest rows have (q4_kivi f16, q4_recent q8_0): once the window slid, the kernels read them as
+one more span. Prefill over a sliding ring goes in pieces that end at a block's end at the latest, each
+written and then attended over what it may see (the ring holds a block more than the window for that).
 
 Keys are stored after RoPE. When the window has slid, the query at t is far from the sinks; how far
 is `positions`:
@@ -23,8 +31,10 @@ is `positions`:
   as if its rows were contiguous, the query at cache position S + W - 1. Window rows are already at
   their true distance from the query, so only the S sink keys move: each decode step re-rotates them
   (from a float32 copy at their original rotation, `sink_keys`) by delta = t - (S + W - 1) and encodes
-  them again into their slots. No distance ever exceeds S + W - 1, so the model never sees a relative
-  position it was not trained on.
+  them again into their slots. q4_kivi and q4_recent, whose sinks cannot be rounded again on their own,
+  move the query instead, back by delta for the sinks' scores only (as prefill does for every type):
+  RoPE's scores depend on the distance alone. No distance ever exceeds S + W - 1, so the model never
+  sees a relative position it was not trained on.
 - "original" (mlx-lm's RotatingKVCache): every key keeps its own position; the sinks drift ever
   further from the query, past the trained context once t is.
 
@@ -35,13 +45,15 @@ window (every position up to S + W is seen).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
 from inferno.errors import InfernoError
 from inferno.kernels import attention, ops
+from inferno.kv import kivi, recent
 from inferno.kv.base import KVCache
-from inferno.kv.dtypes import DTYPES, F32, ElementType
+from inferno.kv.dtypes import DTYPES, F32, ElementType, KiviType, RecentType
 from inferno.kv.geometry import KVGeometry
 from inferno.kv.memory import lazy_zeros
 
@@ -56,8 +68,7 @@ class WindowKVCache(KVCache):
 
     kind = "window"
     evicts = True
-    # the row element types: each position's row stored on its own, so a slot can be overwritten
-    dtypes = tuple(name for name, t in DTYPES.items() if type(t) is ElementType)
+    dtypes = tuple(DTYPES)  # row types in slots; q4_kivi and q4_recent in rings of blocks
 
     def __init__(
         self,
@@ -78,26 +89,32 @@ class WindowKVCache(KVCache):
         self.wraps = self.layer_wraps(geometry, self.rows, sinks)  # layers whose ring overwrites
         if None not in geometry.windows:
             self.capacity = max(self.rows)  # what it holds at most: `capacity` only bounded the window
+        self._moved = [0] * geometry.layers  # positions the sink slots' keys are rotated by
+        # q4_kivi, q4_recent: each layer's store (a ring of blocks, or prealloc's for a layer that keeps
+        # every position); the row types' slots and sinks' keys stay empty
+        self.stores = self.grouped_stores(self.dtype, geometry, self.rows, self.wraps, sinks)
+        grouped = self.stores is not None
         items, storage = self.dtype.row_items(geometry), self.dtype.storage
-        self.keys = [lazy_zeros((n, items), storage) for n in self.rows]
-        self.values = [lazy_zeros((n, items), storage) for n in self.rows]
+        self.keys = [] if grouped else [lazy_zeros((n, items), storage) for n in self.rows]
+        self.values = [] if grouped else [lazy_zeros((n, items), storage) for n in self.rows]
         # shift: the sinks' keys at their own rotation, in float32; the slots hold them moved to the
         # query's frame (and encoded) once the window slid
         self.sink_keys = [
-            lazy_zeros((sinks, geometry.kv_width)) if self._shifts(layer) else None
+            lazy_zeros((sinks, geometry.kv_width)) if self._shifts(layer) and not grouped else None
             for layer in range(geometry.layers)
         ]
-        self._moved = [0] * geometry.layers  # positions the sink slots' keys are rotated by
 
-    @classmethod
-    def element_type(cls, dtype: str) -> ElementType:
-        if dtype in DTYPES and dtype not in cls.dtypes:
-            raise InfernoError(
-                f"a window cache holds {', '.join(cls.dtypes)} rows, not {dtype}: {dtype} stores positions "
-                "in groups, which a ring overwriting one position at a time cannot hold (prealloc and paged "
-                "hold it)"
-            )
-        return super().element_type(dtype)
+    @staticmethod
+    def grouped_stores(dtype: ElementType, geometry: KVGeometry, rows: Sequence[int], wraps: Sequence[bool],
+                       sinks: int) -> list[kivi.KiviStore | recent.RecentStore] | None:
+        """Per layer, the store of a type that rounds positions together (None for a row type): a ring
+        where the layer slides, prealloc's store of its rows where it keeps every position."""
+        if not isinstance(dtype, KiviType | RecentType):
+            return None
+        one = replace(geometry, layers=1, windows=())  # a store per layer: rings differ in their windows
+        ring = kivi.KiviRing if isinstance(dtype, KiviType) else recent.RecentRing
+        return [ring(one, geometry.window(layer), sinks) if wraps[layer]
+                else dtype.make_store(one, rows[layer]) for layer in range(geometry.layers)]
 
     @staticmethod
     def geometry_for(
@@ -151,12 +168,20 @@ class WindowKVCache(KVCache):
         element = cls.element_type(dtype)
         geometry = cls.geometry_for(geometry, capacity, window, sinks, positions)
         rows = cls.layer_rows(geometry, capacity, sinks)
+        wraps = cls.layer_wraps(geometry, rows, sinks)
         element.row_items(geometry)  # refuses a geometry the element type cannot store
-        shifting = sum(cls.layer_wraps(geometry, rows, sinks)) if positions == "shift" and sinks else 0
+        if isinstance(element, KiviType | RecentType):
+            one = replace(geometry, layers=1, windows=())
+            ring = kivi.ring_nbytes if isinstance(element, KiviType) else recent.ring_nbytes
+            return sum(ring(one, geometry.window(layer), sinks) if wraps[layer]
+                       else element.nbytes(one, rows[layer]) for layer in range(geometry.layers))
+        shifting = sum(wraps) if positions == "shift" and sinks else 0
         return 2 * sum(rows) * element.row_bytes(geometry) + shifting * sinks * geometry.kv_width * ITEMSIZE
 
     @property
     def nbytes(self) -> int:
+        if self.stores is not None:
+            return sum(store.nbytes for store in self.stores)
         held = self.keys + self.values + [k for k in self.sink_keys if k is not None]
         return sum(a.nbytes for a in held)
 
@@ -214,7 +239,11 @@ class WindowKVCache(KVCache):
         self._put(layer, pos, k, v, stored=True)
 
     def _put(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray, stored: bool) -> None:
-        """Rows k, v at pos..: float32 rows, or already `stored` in the element type."""
+        """Rows k, v at pos..: float32 rows, or already `stored` in the element type (q4_kivi and
+        q4_recent: float32 either way, rounded by their store; its ring overwrites what slid out)."""
+        if self.stores is not None:
+            self.stores[layer].write(0, pos, k, v)
+            return
         end = pos + k.shape[0]
         at = np.arange(pos, end)
         keep = np.isin(at, self.held_positions(layer, end))  # rows a longer write would overwrite go now
@@ -235,6 +264,8 @@ class WindowKVCache(KVCache):
         if end > self.sinks and self.evicted(layer):
             held = self._describe(layer)
             raise InfernoError(f"layer {layer} no longer holds positions 0..{end - 1}: it holds {held}")
+        if self.stores is not None:  # float32 rows: what q4_kivi and q4_recent hand out (snapshots)
+            return self._gather(layer, np.arange(end))
         keys = self.keys[layer][:end]
         if self._moved[layer]:  # the sink slots hold moved keys: the originals, as stored
             keys = self._encode(self.sink_keys[layer][:end])
@@ -242,6 +273,8 @@ class WindowKVCache(KVCache):
 
     def _rows(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         keys, values = self._stored(layer, end)
+        if self.stores is not None:
+            return keys, values
         return self._decode(keys), self._decode(values)
 
     def stored_rows(self, layer: int, end: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -295,8 +328,10 @@ class WindowKVCache(KVCache):
         return keys
 
     def _gather(self, layer: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Keys (at their own rotation) and values of held positions: float32, as the element type keeps
-        them."""
+        """Keys (at their own rotation) and values of held positions (ascending): float32, as the element
+        type keeps them."""
+        if self.stores is not None:
+            return self._gather_grouped(layer, positions)
         slots = self._slots(layer, positions)
         keys = self._decode(self.keys[layer][slots])
         if self._moved[layer]:
@@ -304,12 +339,44 @@ class WindowKVCache(KVCache):
             keys[sinks] = self._round(self.sink_keys[layer][positions[sinks]])
         return keys, self._decode(self.values[layer][slots])
 
+    def _gather_grouped(self, layer: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """_gather of q4_kivi and q4_recent: a run of positions from the store as attention reads them
+        now, and once the window slid, the sinks from their own copies."""
+        store, written, w = self.stores[layer], self._written[layer], self.geometry.kv_width
+        keys, values = (np.empty((len(positions), w), np.float32) for _ in range(2))
+        sinks = positions < self.sinks if self.wraps[layer] and self.evicted(layer) else positions < 0
+        if sinks.any():
+            sink_keys, sink_values = store.sink_rows(0)
+            keys[sinks], values[sinks] = sink_keys[positions[sinks]], sink_values[positions[sinks]]
+        rest = positions[~sinks]
+        if len(rest):
+            run_keys, run_values = store.read(0, int(rest[-1]) + 1, int(rest[0]), written)
+            keys[~sinks], values[~sinks] = run_keys[rest - rest[0]], run_values[rest - rest[0]]
+        return keys, values
+
+    def _sink_queries(self, layer: int, q: np.ndarray, first: int) -> np.ndarray | None:
+        """shift: queries q [T, heads * head_dim] at positions first.. moved back by the slide, for the
+        sinks' scores (the sinks' keys moved forward, as far); None when nothing moves."""
+        if not self._shifts(layer):
+            return None
+        w, s = self.geometry.window(layer), self.sinks
+        q_sinks = q.copy()
+        back = np.maximum(0, np.arange(first, first + q.shape[0]) - (s + w - 1))
+        self.rotary[layer].rotate(q_sinks, self.geometry.heads, -back)
+        return q_sinks
+
     def attend(self, layer: int, query: np.ndarray, end: int) -> np.ndarray:
         """The query at end - 1 over what the layer holds, on the stored rows (slot order: softmax does
         not care)."""
         w, written = self.geometry.window(layer), self._written[layer]
         if end > written or (w is not None and end != written):
             raise ValueError(f"layer {layer} was written {written} positions, {end} asked for")
+        if self.stores is not None:
+            store = self.stores[layer]
+            if w is None or end <= self.sinks + w:  # nothing slid out: prealloc's attention
+                return store.attend(0, query, end)
+            q_sinks = self._sink_queries(layer, query[None], end - 1)
+            return store.attend(0, query, end, end - w, None if q_sinks is None else q_sinks[0])
         held = end if w is None else min(end, self.sinks + w)
         delta = 0 if w is None else end - (self.sinks + w)
         if self._shifts(layer) and delta > 0 and self._moved[layer] != delta:
@@ -327,16 +394,41 @@ class WindowKVCache(KVCache):
             self.write(layer, pos, k, v)
             keys, values = self.read(layer, pos + n)
             return attention.attention_prefill(q, keys, values, self.geometry.heads, pos)
+        if self.stores is not None:
+            return self._attend_new_grouped(layer, pos, q, k, v)
         held = self.held_positions(layer)
         old_keys, old_values = self._gather(layer, held)
         keys = np.concatenate([old_keys, self._round(k)])
         values = np.concatenate([old_values, self._round(v)])
         key_pos = np.concatenate([held, np.arange(pos, pos + n)])
-        q_sinks = None
-        if self._shifts(layer):  # scoring the sinks, each query moves back to its cache position s + w - 1
-            q_sinks = q.copy()
-            back = np.maximum(0, np.arange(pos, pos + n) - (s + w - 1))
-            self.rotary[layer].rotate(q_sinks, self.geometry.heads, -back)
+        # scoring the sinks, each query moves back to its cache position s + w - 1
+        q_sinks = self._sink_queries(layer, q, pos)
         out = attention.attention_window(q, keys, values, key_pos, pos, self.geometry.heads, w, s, q_sinks)
         self.write(layer, pos, k, v)
+        return out
+
+    def _attend_new_grouped(self, layer: int, pos: int, q: np.ndarray, k: np.ndarray, v: np.ndarray
+                            ) -> np.ndarray:
+        """Prefill over a sliding ring of q4_kivi or q4_recent: pieces that end at a block's end at the
+        latest, each written (its rows rounded as the type rounds them: a group closed, a segment's mean
+        taken) and then attended over what its queries may see, which the ring still holds."""
+        self._check_write(layer, pos, q.shape[0])  # a layer that keeps every position refuses past it
+        store, w, s = self.stores[layer], self.geometry.window(layer), self.sinks
+        out = np.empty_like(q)
+        a, end = pos, pos + q.shape[0]
+        while a < end:
+            b = min(end, (a // store.block + 1) * store.block)
+            piece = slice(a - pos, b - pos)
+            self.write(layer, a, k[piece], v[piece])
+            first = max(a + 1 - w, s)  # the oldest position past the sinks a query of the piece sees
+            if first == s:  # every position up to b: the sinks as the ring holds them
+                key_pos = np.arange(b)
+                keys, values = store.read(0, b, 0, b)
+            else:
+                key_pos = np.concatenate([np.arange(s), np.arange(first, b)])
+                keys, values = self._gather_grouped(layer, key_pos)
+            q_sinks = self._sink_queries(layer, q[piece], a)
+            out[piece] = attention.attention_window(q[piece], keys, values, key_pos, a, self.geometry.heads,
+                                                    w, s, q_sinks)
+            a = b
         return out
