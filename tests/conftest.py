@@ -100,7 +100,7 @@ def run_main(monkeypatch, capsys) -> Callable[..., tuple[int, str, str]]:
 
 
 def greedy(engine, ids: list[int], n: int, mode: str = "prealloc") -> tuple[list[int], list]:
-    """n greedy tokens after ids with a cache of kind `mode`, and the logits each was chosen from."""
+    """n greedy tokens after ids with a cache of layout `mode`, and the logits each was chosen from."""
     import numpy as np
 
     from inferno.kv import make_cache

@@ -367,7 +367,7 @@ def test_load_refuses_what_is_not_a_path():
     (lambda e: e.run([10**9], 3), "outside the vocabulary"),
     (lambda e: e.make_cache("paged", 3, 2, block_size=0), "block_size must be at least 1, got 0"),
     (lambda e: e.make_cache("prealloc", "3", 2), "prompt_tokens must be an integer"),
-    (lambda e: e.make_cache("zzz", 3, 2), "kind 'zzz' is not one of"),
+    (lambda e: e.make_cache("zzz", 3, 2), "layout 'zzz' is not one of"),
     (lambda e: e.make_cache("window", 3, 2, window=-1), "window must be at least 1"),
 ])  # fmt: skip
 def test_the_api_names_the_bad_argument(tiny, call, fragment):
@@ -385,7 +385,7 @@ def test_kv_make_cache_checks_its_arguments(tiny):
         make_cache("paged", geometry, 8, block_size=0)
     with pytest.raises(InfernoError, match="capacity must be an integer"):
         make_cache("prealloc", geometry, 8.0)
-    with pytest.raises(InfernoError, match="unknown KV cache kind"):
+    with pytest.raises(InfernoError, match="unknown KV cache layout"):
         make_cache(None, geometry, 8)
 
 

@@ -1,4 +1,4 @@
-"""The KV cache protocol, for every kind: write, read, commit, reset, overflow, memory."""
+"""The KV cache protocol, for every layout: write, read, commit, reset, overflow, memory."""
 
 from pathlib import Path
 
@@ -7,14 +7,14 @@ import pytest
 
 from inferno.errors import InfernoError
 from inferno.file.config import ModelConfig
-from inferno.kv import KINDS, KVCacheFullError, KVGeometry, make_cache
+from inferno.kv import LAYOUTS, KVCacheFullError, KVGeometry, make_cache
 from inferno.kv.basic import BasicKVCache
 from inferno.kv.prealloc import PreallocKVCache
 
 LAYERS, WIDTH = 3, 8
 GEOMETRY = KVGeometry(layers=LAYERS, kv_heads=2, heads=4, head_dim=WIDTH // 2)
 SMOLLM2 = KVGeometry(layers=30, kv_heads=3, heads=9, head_dim=64)
-CLASSES = [cls for cls in KINDS.values() if not cls.evicts]  # the window kind: tests/test_kv_window.py
+CLASSES = [cls for cls in LAYOUTS.values() if not cls.evicts]  # the window layout: tests/test_kv_window.py
 
 
 def rows(n: int, seed: int) -> np.ndarray:
@@ -33,9 +33,9 @@ def fill(cache, n: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
     return written
 
 
-@pytest.mark.parametrize("kind", CLASSES)
-def test_written_rows_read_back_exactly_in_order(kind):
-    cache = kind(GEOMETRY, capacity=10)
+@pytest.mark.parametrize("layout", CLASSES)
+def test_written_rows_read_back_exactly_in_order(layout):
+    cache = layout(GEOMETRY, capacity=10)
     first = fill(cache, 4, seed=0)
     second = fill(cache, 1, seed=100)
     assert cache.length == 5
@@ -46,9 +46,9 @@ def test_written_rows_read_back_exactly_in_order(kind):
         np.testing.assert_array_equal(v, np.concatenate([first[layer][1], second[layer][1]]))
 
 
-@pytest.mark.parametrize("kind", CLASSES)
-def test_uncommitted_rows_are_invisible_until_every_layer_wrote(kind):
-    cache = kind(GEOMETRY, capacity=10)
+@pytest.mark.parametrize("layout", CLASSES)
+def test_uncommitted_rows_are_invisible_until_every_layer_wrote(layout):
+    cache = layout(GEOMETRY, capacity=10)
     fill(cache, 2)
     cache.write(0, 2, rows(1, 7), rows(1, 8))
     assert cache.read(0)[0].shape[0] == 2  # committed view excludes the half-written token
@@ -58,17 +58,17 @@ def test_uncommitted_rows_are_invisible_until_every_layer_wrote(kind):
     assert cache.length == 2
 
 
-@pytest.mark.parametrize("kind", CLASSES)
-def test_write_must_append(kind):
-    cache = kind(GEOMETRY, capacity=10)
+@pytest.mark.parametrize("layout", CLASSES)
+def test_write_must_append(layout):
+    cache = layout(GEOMETRY, capacity=10)
     fill(cache, 2)
     with pytest.raises(ValueError, match="not at 1"):
         cache.write(0, 1, rows(1, 0), rows(1, 1))
 
 
-@pytest.mark.parametrize("kind", CLASSES)
-def test_write_past_capacity_is_refused_and_changes_nothing(kind):
-    cache = kind(GEOMETRY, capacity=4)
+@pytest.mark.parametrize("layout", CLASSES)
+def test_write_past_capacity_is_refused_and_changes_nothing(layout):
+    cache = layout(GEOMETRY, capacity=4)
     fill(cache, 3)
     with pytest.raises(KVCacheFullError, match="sized for 4"):
         cache.write(0, 3, rows(2, 0), rows(2, 1))
@@ -83,9 +83,9 @@ def test_cache_full_is_a_user_facing_error():
     assert issubclass(KVCacheFullError, InfernoError)
 
 
-@pytest.mark.parametrize("kind", CLASSES)
-def test_reset_forgets_tokens(kind):
-    cache = kind(GEOMETRY, capacity=6)
+@pytest.mark.parametrize("layout", CLASSES)
+def test_reset_forgets_tokens(layout):
+    cache = layout(GEOMETRY, capacity=6)
     fill(cache, 5)
     cache.reset()
     assert cache.length == 0
@@ -154,11 +154,11 @@ CONFIG = ModelConfig(
 )
 
 
-@pytest.mark.parametrize("mode", list(KINDS))
+@pytest.mark.parametrize("mode", list(LAYOUTS))
 def test_factory_builds_each_kind_for_the_model(mode):
     cache = make_cache(mode, CONFIG.kv_geometry, 32, **({"window": 28, "positions": "original"}
-                                                      if KINDS[mode].evicts else {}))
-    assert cache.kind == mode
+                                                      if LAYOUTS[mode].evicts else {}))
+    assert cache.layout == mode
     assert (cache.n_layers, cache.kv_width, cache.capacity) == (4, 32, 32)
 
 
@@ -167,17 +167,17 @@ def test_factory_refuses_unknown_kind_listing_valid_ones():
         make_cache("nonsense", CONFIG.kv_geometry, 32)
 
 
-@pytest.mark.parametrize("kind", CLASSES)
-def test_planned_bytes_are_what_a_full_cache_holds(kind):
-    cache = kind(GEOMETRY, capacity=5)
+@pytest.mark.parametrize("layout", CLASSES)
+def test_planned_bytes_are_what_a_full_cache_holds(layout):
+    cache = layout(GEOMETRY, capacity=5)
     fill(cache, 5)
-    rows = 16 if kind.kind == "paged" else 5  # paged holds whole blocks of 16 tokens
-    assert cache.nbytes == kind.planned_nbytes(GEOMETRY, 5) == 2 * LAYERS * rows * WIDTH * 4
+    rows = 16 if layout.layout == "paged" else 5  # paged holds whole blocks of 16 tokens
+    assert cache.nbytes == layout.planned_nbytes(GEOMETRY, 5) == 2 * LAYERS * rows * WIDTH * 4
 
 
-@pytest.mark.parametrize("kind", CLASSES)
-def test_head_rows_are_the_columns_of_one_kv_head_at_committed_positions(kind):
-    cache = kind(GEOMETRY, capacity=8)
+@pytest.mark.parametrize("layout", CLASSES)
+def test_head_rows_are_the_columns_of_one_kv_head_at_committed_positions(layout):
+    cache = layout(GEOMETRY, capacity=8)
     written = fill(cache, 5)
     d = GEOMETRY.head_dim
     for layer in range(LAYERS):
@@ -189,7 +189,7 @@ def test_head_rows_are_the_columns_of_one_kv_head_at_committed_positions(kind):
     assert [cache.layer_length(layer) for layer in range(LAYERS)] == [5] * LAYERS
 
 
-@pytest.mark.parametrize("kind", CLASSES)
+@pytest.mark.parametrize("layout", CLASSES)
 @pytest.mark.parametrize(
     "layer, head, start, end, message",
     [
@@ -201,8 +201,8 @@ def test_head_rows_are_the_columns_of_one_kv_head_at_committed_positions(kind):
         (0, 0, -1, 2, r"-1\.\.2 are outside"),
     ],
 )
-def test_head_rows_refuses_what_is_not_committed(kind, layer, head, start, end, message):
-    cache = kind(GEOMETRY, capacity=8)
+def test_head_rows_refuses_what_is_not_committed(layout, layer, head, start, end, message):
+    cache = layout(GEOMETRY, capacity=8)
     fill(cache, 3)
     cache.write(0, 3, rows(1, 0), rows(1, 1))  # half-written token: visible to no reader
     assert cache.layer_length(0) == 4 and cache.layer_length(1) == 3

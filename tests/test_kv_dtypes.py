@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType, quants
 
 from inferno.errors import InfernoError
 from inferno.kernels.attention import attention_decode
-from inferno.kv import DTYPES, KINDS, KVGeometry, make_cache, planned_nbytes
+from inferno.kv import DTYPES, LAYOUTS, KVGeometry, make_cache, planned_nbytes
 from inferno.kv.dtypes import element_type
 from inferno.kv.snapshot import Snapshot
 
@@ -161,31 +161,31 @@ def test_recent_keeps_its_newest_rows_in_q8_0_and_keys_minus_their_segment_mean(
     assert error.sum() < 0.2 * np.linalg.norm(plain.reshape(-1, GEOMETRY.head_dim), axis=1).sum()
 
 
-def every_kind_and_dtype():
-    return [(kind, dtype) for kind, cls in KINDS.items() for dtype in cls.dtypes]
+def every_layout_and_dtype():
+    return [(layout, dtype) for layout, cls in LAYOUTS.items() for dtype in cls.dtypes]
 
 
-KIND_OPTIONS = {"window": {"window": 16, "positions": "original"}}  # what a kind needs to be made
+LAYOUT_OPTIONS = {"window": {"window": 16, "positions": "original"}}  # what a layout needs to be made
 
 
-@pytest.mark.parametrize(("kind", "dtype"), every_kind_and_dtype())
-def test_planned_bytes_are_what_the_cache_allocates(kind, dtype):
-    options = KIND_OPTIONS.get(kind, {})
-    cache = make_cache(kind, GEOMETRY, 50, dtype, **options)
+@pytest.mark.parametrize(("layout", "dtype"), every_layout_and_dtype())
+def test_planned_bytes_are_what_the_cache_allocates(layout, dtype):
+    options = LAYOUT_OPTIONS.get(layout, {})
+    cache = make_cache(layout, GEOMETRY, 50, dtype, **options)
     for layer in range(GEOMETRY.layers):
         cache.write(layer, 0, key_like_rows(50), key_like_rows(50, 1))
     cache.commit(50)
-    assert cache.nbytes == planned_nbytes(kind, GEOMETRY, 50, dtype, **options)
-    if kind in ("window", "paged"):  # they hold the window, or whole blocks: their own tests count them
+    assert cache.nbytes == planned_nbytes(layout, GEOMETRY, 50, dtype, **options)
+    if layout in ("window", "paged"):  # they hold the window, or whole blocks: their own tests count them
         return
     if dtype == "q4_kivi":  # no whole group of 64 yet: all 50 rows wait in f16 (the open group holds 64)
         assert cache.nbytes == 2 * GEOMETRY.layers * 64 * GEOMETRY.kv_width * 2
-        assert planned_nbytes(kind, GEOMETRY, 6400, dtype) == 2 * GEOMETRY.layers * GEOMETRY.kv_width * (
+        assert planned_nbytes(layout, GEOMETRY, 6400, dtype) == 2 * GEOMETRY.layers * GEOMETRY.kv_width * (
             6400 * 4.5 / 8 + 64 * 2)
     elif dtype == "q4_recent":  # 28 rows of 4.25 bits and the 22 of the ring in q8_0; no key mean yet
         assert cache.nbytes == 2 * GEOMETRY.layers * GEOMETRY.kv_width * (28 * 4.25 + 22 * 8.5) / 8
         body, means = 6400 - 22, -(-6378 // 128) - 1  # a mean for every segment of 128 but the first
-        assert planned_nbytes(kind, GEOMETRY, 6400, dtype) == GEOMETRY.layers * GEOMETRY.kv_width * (
+        assert planned_nbytes(layout, GEOMETRY, 6400, dtype) == GEOMETRY.layers * GEOMETRY.kv_width * (
             2 * (body * 4.25 + 22 * 8.5) / 8 + means * 2)
     else:
         bits = {"f32": 32, "f16": 16, "q8_0": 8.5, "q8_0h": 8.5, "q4_0": 4.5, "q4_0h": 4.5}[dtype]
@@ -206,21 +206,21 @@ def test_kv_memcalc_prints_the_runtimes_bytes_for_every_kind_and_dtype(engine, m
 
     from inferno.cli.memcalc import command
 
-    for kind, dtype in every_kind_and_dtype():
+    for layout, dtype in every_layout_and_dtype():
         every_layer = f"0-{engine.config.n_layers - 1}"
-        window = ["--sliding-window", "64", "--sliding-layers", every_layer] if kind == "window" else []
-        result = CliRunner().invoke(command, ["--model", str(model_path), "--kv", kind, "--kv-dtype", dtype,
+        window = ["--sliding-window", "64", "--sliding-layers", every_layer] if layout == "window" else []
+        result = CliRunner().invoke(command, ["--model", str(model_path), "--kv", layout, "--kv-dtype", dtype,
                                               "--context", "100,2048", "--json", *window])
         assert result.exit_code == 0, result.output
         rows = json.loads(result.output)["rows"]
         for row in rows:
             n = row["context"]
-            options = {"window": 64} if kind == "window" else {}
-            cache = engine.make_cache(kind, 1, n - 1, n if kind == "window" else None, dtype, **options)
+            options = {"window": 64} if layout == "window" else {}
+            cache = engine.make_cache(layout, 1, n - 1, n if layout == "window" else None, dtype, **options)
             full = np.zeros((n, cache.kv_width), np.float32)
-            for layer in range(cache.n_layers):  # held at capacity: what a kind that grows reaches
+            for layer in range(cache.n_layers):  # held at capacity: what a layout that grows reaches
                 cache.write(layer, 0, full, full)
-            assert row["bytes"] == cache.nbytes, (kind, dtype, row)
+            assert row["bytes"] == cache.nbytes, (layout, dtype, row)
 
 
 def filled(engine, dtype: str, text: str = "The capital of France is Paris, and"):

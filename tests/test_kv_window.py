@@ -409,9 +409,9 @@ def test_prefill_over_a_slid_ring_agrees_with_decode_for_grouped_types(dtype):
     prefill is from its decode."""
     keys, values, queries = grouped_case(490, 3)
 
-    def outputs(kind: str, chunks: list[int]) -> np.ndarray:
+    def outputs(layout: str, chunks: list[int]) -> np.ndarray:
         cache = (WindowKVCache(WIDE, 400, window=100, sinks=4, rotary=WIDE_ROTARY, dtype=dtype)
-                 if kind == "window" else make_cache("prealloc", WIDE, 490, dtype))
+                 if layout == "window" else make_cache("prealloc", WIDE, 490, dtype))
         out = np.array([got for _, got in run_chunks(cache, keys, values, queries, chunks)])[90:]
         caches.append(cache)
         return out
@@ -425,9 +425,9 @@ def test_prefill_over_a_slid_ring_agrees_with_decode_for_grouped_types(dtype):
              "prealloc": np.array([attention_decode(queries[at], keys[: at + 1], values[: at + 1], WIDE.heads)
                                    for at in range(90, 490)])}
     gaps, errors = {}, {}
-    for kind in exact:
-        prefilled, decoded = outputs(kind, [90, 400]), outputs(kind, [90, *[1] * 400])
-        gaps[kind], errors[kind] = distance(prefilled, decoded), distance(prefilled, exact[kind])
+    for layout in exact:
+        prefilled, decoded = outputs(layout, [90, 400]), outputs(layout, [90, *[1] * 400])
+        gaps[layout], errors[layout] = distance(prefilled, decoded), distance(prefilled, exact[layout])
     for layer in range(WIDE.layers):
         for a, b in zip(caches[0].held_rows(layer), caches[1].held_rows(layer), strict=True):
             np.testing.assert_array_equal(a, b)
@@ -654,10 +654,10 @@ def test_smollm2_perplexity_of_a_grouped_window_is_its_float_windows_within_the_
 
     ids = engine.tokenizer.encode(TEXT.read_text(encoding="utf-8"))[:512]
     scores, caches = {}, {}
-    for kind, kv_dtype, options in [("prealloc", "f32", {}), ("prealloc", dtype, {}),
+    for layout, kv_dtype, options in [("prealloc", "f32", {}), ("prealloc", dtype, {}),
                                     ("window", "f32", {"window": 128}), ("window", dtype, {"window": 128})]:
-        cache = caches[kind, kv_dtype] = engine.make_cache(kind, len(ids), 0, dtype=kv_dtype, **options)
-        scores[kind, kv_dtype] = perplexity(token_nll(engine.model, ids, cache))
+        cache = caches[layout, kv_dtype] = engine.make_cache(layout, len(ids), 0, dtype=kv_dtype, **options)
+        scores[layout, kv_dtype] = perplexity(token_nll(engine.model, ids, cache))
     cache = caches["window", dtype]
     assert cache.evicted_tokens == 511 - 132
     assert cache.nbytes == planned_nbytes("window", engine.config.kv_geometry, engine.config.context_length,

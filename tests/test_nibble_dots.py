@@ -73,11 +73,11 @@ def nibble_reference(quads: np.ndarray, parts: np.ndarray) -> np.ndarray:
     return sum(s[:, :, i] << PART_BITS * (n - 1 - i) for i in range(n)).astype(np.float32)
 
 
-def compile_dots(kind: int, n_parts: int):
+def compile_dots(qtype: int, n_parts: int):
     """A fresh (uncached) caller, so the intrinsic is generated again under the current has_vnni."""
     @njit(cache=False)
     def dots(w, parts, scale, sums, acc):
-        quant_dots(w, 0, 0, parts, scale, sums, acc, kind, n_parts)  # block 0, lanes 0..15
+        quant_dots(w, 0, 0, parts, scale, sums, acc, qtype, n_parts)  # block 0, lanes 0..15
 
     return dots
 

@@ -316,8 +316,8 @@ def test_smollm2_paged_generates_what_prealloc_generates_in_every_element_type(e
     ids = engine.tokenizer.encode(PROMPT)
     assert 30 <= len(ids) <= 50
     g = engine.config.kv_geometry
-    runs = [greedy(engine.model, ids, make_cache(kind, g, len(ids) + 12, dtype), 12)
-            for kind in ("prealloc", "paged")]
+    runs = [greedy(engine.model, ids, make_cache(layout, g, len(ids) + 12, dtype), 12)
+            for layout in ("prealloc", "paged")]
     assert runs[0] == runs[1]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from inferno.kv import KINDS
+from inferno.kv import LAYOUTS
 from inferno.kv.paged import PagedKVCache
 from inferno.runtime.scheduler import Request, SchedulerFullError
 
@@ -17,21 +17,22 @@ PROMPTS = ["Once upon a time", "The best way to learn a language is", "def fibon
 ROW_TYPES = ("f32", "f16", "q8_0", "q8_0h", "q4_0", "q4_0h")
 GROUPED = ("q4_recent", "q4_kivi")  # state across positions: a ring and key means, key groups
 # every (layout, element type) pair a layout holds: basic f32 only; window and paged all
-PAIRS = [("basic", "f32")] + [(kind, d) for kind in ("window", "paged") for d in ROW_TYPES + GROUPED]
+PAIRS = [("basic", "f32")] + [(layout, d) for layout in ("window", "paged") for d in ROW_TYPES + GROUPED]
 
 
 def greedy(engine, ids: list[int], kv: str, dtype: str = "f32", **options) -> list[int]:
     return engine.run(ids, NEW, kv=kv, kv_dtype=dtype, ignore_eos=True, **options).token_ids
 
 
-@pytest.mark.parametrize(("kind", "dtype"), PAIRS, ids=[f"{k}-{d}" for k, d in PAIRS])
-def test_every_layout_generates_what_prealloc_of_its_element_type_generates(engine, gemma_engine, kind,
+@pytest.mark.parametrize(("layout", "dtype"), PAIRS, ids=[f"{k}-{d}" for k, d in PAIRS])
+def test_every_layout_generates_what_prealloc_of_its_element_type_generates(engine, gemma_engine, layout,
                                                                             dtype):
-    assert dtype in KINDS[kind].dtypes
+    assert dtype in LAYOUTS[layout].dtypes
     for model in (engine, gemma_engine):
         ids = model.tokenizer.encode(PROMPT)
-        options = {"window": 64} if kind == "window" and not model.config.kv_geometry.sliding else {}
-        assert greedy(model, ids, kind, dtype, **options) == greedy(model, ids, "prealloc", dtype), model.path
+        options = {"window": 64} if layout == "window" and not model.config.kv_geometry.sliding else {}
+        want = greedy(model, ids, "prealloc", dtype)
+        assert greedy(model, ids, layout, dtype, **options) == want, model.path
 
 
 def run_all(scheduler, requests: list[Request]) -> list[list[int]]:

@@ -15,7 +15,7 @@ from inferno.cli.generate import main as generate_main
 from inferno.cli.inspect import main as inspect_main
 from inferno.errors import InfernoError
 from inferno.file.reader import open_gguf
-from inferno.kv import KINDS
+from inferno.kv import LAYOUTS
 from inferno.kv.snapshot import Snapshot, model_fingerprint
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -71,8 +71,8 @@ def test_round_trip_is_bit_exact_and_restores_into_every_cache_kind(engine, tmp_
     assert loaded.keys.shape == loaded.values.shape == (30, 8, 192)
     assert (loaded.architecture, loaded.fingerprint) == ("llama", engine.fingerprint)
     options = {"window": {"window": 8}}  # 4 sinks + 8: the snapshot's 8 tokens, nothing evicted
-    for kind in KINDS:
-        restored = engine.make_cache(kind, 9, 3, 12, **options.get(kind, {}))
+    for layout in LAYOUTS:
+        restored = engine.make_cache(layout, 9, 3, 12, **options.get(layout, {}))
         assert loaded.restore(restored, [*run_ids[:8], 42]) == 8
         for layer in range(30):
             for ours, theirs in zip(restored.read(layer), cache.read(layer), strict=True):

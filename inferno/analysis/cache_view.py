@@ -2,7 +2,7 @@
 L2 norm of K and V per layer and KV head, and the attention weights of a layer's last query; for a
 paged cache, how its sequences sit in the block pool (block tables, reference counts, fragmentation).
 
-Everything is read through the cache protocol (`read`, `head_rows`), so every kind can be inspected,
+Everything is read through the cache protocol (`read`, `head_rows`), so every layout can be inspected,
 and a snapshot is inspected as the cache it was saved from.
 """
 
@@ -23,19 +23,19 @@ from inferno.model.validate import check_logits, refusing_non_finite
 if TYPE_CHECKING:
     from inferno.runtime.engine import Engine  # loading it pulls in the model and its kernels
 
-INSPECTED_KIND = "prealloc"
+INSPECTED_LAYOUT = "prealloc"
 
 
 def fill_cache(
     engine: Engine, prompt_ids: Sequence[int], n_decode: int, max_context: int | None = None,
-    kind: str = INSPECTED_KIND, **options,
+    layout: str = INSPECTED_LAYOUT, **options,
 ) -> tuple[KVCache, list[int], list[np.ndarray]]:
-    """Run the prompt and n_decode greedy tokens into a cache of `kind` (options: the kind's own):
+    """Run the prompt and n_decode greedy tokens into a cache of `layout` (options: the layout's own):
     (cache, token ids, queries).
 
     The last token goes through decode, which hands over each layer's query row after RoPE.
     """
-    cache = engine.make_cache(kind, len(prompt_ids), n_decode, max_context, **options)
+    cache = engine.make_cache(layout, len(prompt_ids), n_decode, max_context, **options)
     model, ids = engine.model, list(prompt_ids)
     with refusing_non_finite(len(ids) - 1):
         if len(ids) > 1:
@@ -95,7 +95,7 @@ def samples_pool(
     return BlockPool(geometry, len(layer_groups(geometry)) * (shared + n * own), block_size)
 
 
-def pool_layout(caches: Sequence[PagedKVCache]) -> dict[str, Any]:
+def pool_map(caches: Sequence[PagedKVCache]) -> dict[str, Any]:
     """How paged sequences of one pool sit in it: each one's block table, every block's reference
     count, the free blocks, and slots allocated (held blocks x block size) against slots used
     (positions written in them, a shared block counted once)."""
@@ -127,7 +127,7 @@ def pool_layout(caches: Sequence[PagedKVCache]) -> dict[str, Any]:
 def cache_of(snapshot: Snapshot) -> KVCache:
     """The snapshot's rows in a cache of its length, to be inspected like a live one."""
     geometry = replace(snapshot.geometry, windows=())  # rows as saved, read whole
-    cache = make_cache(INSPECTED_KIND, geometry, snapshot.length, snapshot.dtype)
+    cache = make_cache(INSPECTED_LAYOUT, geometry, snapshot.length, snapshot.dtype)
     for layer in range(snapshot.geometry.layers):
         cache.write_stored(layer, 0, snapshot.keys[layer], snapshot.values[layer])
     cache.commit(snapshot.length)
@@ -218,22 +218,24 @@ def inspect_snapshot(snapshot: Snapshot) -> dict[str, Any]:
 
 def inspect_prompt(
     engine: Engine, prompt_ids: Sequence[int], n_decode: int = 0, layer: int | None = None,
-    max_context: int | None = None, kind: str = INSPECTED_KIND, dtype: str = DEFAULT_DTYPE, samples: int = 1,
+    max_context: int | None = None, layout: str = INSPECTED_LAYOUT, dtype: str = DEFAULT_DTYPE,
+    samples: int = 1,
     **options,
 ) -> dict[str, Any]:
-    """The report of a cache of `kind` filled with the prompt and n_decode greedy tokens; with `layer`,
+    """The report of a cache of `layout` filled with the prompt and n_decode greedy tokens; with `layer`,
     also the attention weights of that layer's last query. With `dtype`, the float rows are stored in
     that element type and the report says what it loses (`key_error`, `value_error`). A paged cache is
-    forked into `samples` sequences and the report adds their pool layout; its contents are sequence 0's."""
-    layout: dict[str, Any] = {}
-    if kind == "paged":
+    forked into `samples` sequences and the report adds their pool's block map; its contents are
+    sequence 0's."""
+    block_map: dict[str, Any] = {}
+    if layout == "paged":
         caches, ids, queries = fill_paged(engine, prompt_ids, n_decode, samples,
                                           options.pop("block_size", BLOCK_SIZE), max_context, **options)
-        cache, layout = caches[0], pool_layout(caches)
+        cache, block_map = caches[0], pool_map(caches)
     elif samples != 1:
-        raise InfernoError(f"more than one sequence needs a paged cache, not {kind}")
+        raise InfernoError(f"more than one sequence needs a paged cache, not {layout}")
     else:
-        cache, ids, queries = fill_cache(engine, prompt_ids, n_decode, max_context, kind, **options)
+        cache, ids, queries = fill_cache(engine, prompt_ids, n_decode, max_context, layout, **options)
     errors = None
     if dtype != DEFAULT_DTYPE:
         cache, *errors = requantized(cache, dtype)
@@ -242,9 +244,9 @@ def inspect_prompt(
     else:
         held, view = list(range(cache.length)), cache
     texts = [engine.tokenizer.token_text(ids[pos]) for pos in held]
-    report = {"cache": cache.kind}
+    report = {"cache": cache.layout}
     report |= build_report(view, [ids[pos] for pos in held], engine.config.architecture, engine.fingerprint,
-                           texts, held) | layout
+                           texts, held) | block_map
     if errors is not None:
         report["key_error"], report["value_error"] = errors
     if cache.evicts:
@@ -264,7 +266,7 @@ def requantized(cache: KVCache, dtype: str) -> tuple[KVCache, list[list[float]],
     if cache.evicts:
         raise InfernoError("kv-inspect stores a window cache's rows as float32 only")
     g = cache.geometry
-    stored = make_cache(INSPECTED_KIND, g, cache.capacity, dtype)
+    stored = make_cache(INSPECTED_LAYOUT, g, cache.capacity, dtype)
     errors: tuple[list, list] = ([], [])
     for layer in range(g.layers):
         keys, values = cache.read(layer)
@@ -283,7 +285,7 @@ def held_view(cache: KVCache) -> tuple[list[int], KVCache]:
     held = rows[0][0]
     if any(not np.array_equal(at, held) for at, _, _ in rows):
         raise InfernoError("kv-inspect shows window caches whose layers all hold the same positions")
-    view = make_cache(INSPECTED_KIND, replace(cache.geometry, windows=()), max(len(held), 1))
+    view = make_cache(INSPECTED_LAYOUT, replace(cache.geometry, windows=()), max(len(held), 1))
     for layer, (_, keys, values) in enumerate(rows):
         view.write(layer, 0, keys, values)
     view.commit(len(held))

@@ -51,7 +51,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def measure(
-    model: Transformer, token_ids: list[int], dtypes: list[str], kind: str = "prealloc",
+    model: Transformer, token_ids: list[int], dtypes: list[str], layout: str = "prealloc",
     activations: str = "f32",
 ) -> list[Fidelity]:
     """Teacher-force token_ids through a float32 cache and one cache per element type in `dtypes`, in
@@ -63,7 +63,7 @@ def measure(
     for name in names:
         element_type(name)
     geometry = model.config.kv_geometry
-    caches: list[KVCache] = [make_cache(kind, geometry, len(token_ids), name) for name in names]
+    caches: list[KVCache] = [make_cache(layout, geometry, len(token_ids), name) for name in names]
     n = len(token_ids) - 1
     nll = np.zeros(len(names))
     agree = np.zeros(len(names))

@@ -1,4 +1,4 @@
-"""Teacher-forced scoring of a text through a KV cache: how well a cache kind keeps what the model
+"""Teacher-forced scoring of a text through a KV cache: how well a cache layout keeps what the model
 needs, as the perplexity of the text."""
 
 from __future__ import annotations

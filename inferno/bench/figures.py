@@ -29,12 +29,12 @@ class Plan:
 
     @property
     def prompt_lengths(self) -> dict[str, int]:
-        """Prompt kind -> exact tokens, for the prompts cut from English text (`short` is as it is)."""
+        """Prompt name -> exact tokens, for the prompts cut from English text (`short` is as it is)."""
         return {"prefill": self.prefill_tokens, "deep": self.deep_tokens}
 
     @property
     def measures(self) -> dict[str, tuple[str, int]]:
-        """Measurement -> (prompt kind, new tokens); each is one process per engine and round."""
+        """Measurement -> (prompt name, new tokens); each is one process per engine and round."""
         return {"prefill": ("prefill", 1), "decode0": ("short", self.decode_new),
                 "decode_deep": ("deep", self.deep_new), "run32": ("short", RUN_NEW)}
 

@@ -1,4 +1,4 @@
-"""What a KV cache buys (`kv-bench`): one prompt generated with no cache and with each cache kind, side
+"""What a KV cache buys (`kv-bench`): one prompt generated with no cache and with each cache layout, side
 by side in one process, and the figures that show it: per-forward time climbs without a cache and stays
 flat with one."""
 
@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from inferno.kv import DEFAULT_DTYPE, KINDS
+from inferno.kv import DEFAULT_DTYPE, LAYOUTS
 
 if TYPE_CHECKING:
     from inferno.runtime.engine import Engine  # loading it pulls in the model and its kernels
 
-MODES = ("off", *KINDS)  # off: no cache, every step reruns the whole sequence
+MODES = ("off", *LAYOUTS)  # off: no cache, every step reruns the whole sequence
 DEFAULT_MODES = ("off", "basic", "prealloc")  # the others take options of their own (--window, paged's pool)
 
 
@@ -19,15 +19,15 @@ def run_modes(
     engine: Engine, prompt_ids: list[int], new_tokens: int, modes: tuple[str, ...],
     dtypes: tuple[str, ...] = (DEFAULT_DTYPE,),
 ) -> dict[str, Any]:
-    """Run each mode, and each kind with each element type it holds, on the same prompt (greedy, no
+    """Run each mode, and each layout with each element type it holds, on the same prompt (greedy, no
     early stop): `mode` (or `mode/dtype` when several element types run) -> its token ids and metrics."""
     results = {}
     for mode in modes:
-        for dtype in (None,) if mode == "off" else [d for d in dtypes if d in KINDS[mode].dtypes]:
+        for dtype in (None,) if mode == "off" else [d for d in dtypes if d in LAYOUTS[mode].dtypes]:
             label = mode if dtype is None or dtypes == (DEFAULT_DTYPE,) else f"{mode}/{dtype}"
-            kind = None if mode == "off" else mode
-            cache = engine.make_cache(kind, len(prompt_ids), new_tokens, dtype=dtype or DEFAULT_DTYPE)
-            done = engine.run(prompt_ids, new_tokens, kv=kind, cache=cache, ignore_eos=True)
+            layout = None if mode == "off" else mode
+            cache = engine.make_cache(layout, len(prompt_ids), new_tokens, dtype=dtype or DEFAULT_DTYPE)
+            done = engine.run(prompt_ids, new_tokens, kv=layout, cache=cache, ignore_eos=True)
             results[label] = {"token_ids": done.token_ids, "metrics": done.metrics.to_json()}
     return results
 

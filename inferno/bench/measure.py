@@ -81,14 +81,14 @@ class Bench:
                         HF_HUB_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error")
 
     def command(self, engine: str, measure: str) -> list[str]:
-        kind, n_new = self.plan.measures[measure]
+        prompt, n_new = self.plan.measures[measure]
         o = self.options
         if engine == "inferno":
             return [sys.executable, "-m", "inferno.cli.generate", "--kv", "prealloc",
                     "--threads", str(o.threads), "--json", "--ignore-eos", "--max-context", str(o.ctx),
-                    "--", str(o.model), self.prompt_files[kind].read_text(), str(n_new)]
-        n_prompt = self.plan.prompt_lengths.get(kind, 0)
-        return [o.others_python, competitors.__file__, engine, str(o.model), str(self.prompt_files[kind]),
+                    "--", str(o.model), self.prompt_files[prompt].read_text(), str(n_new)]
+        n_prompt = self.plan.prompt_lengths.get(prompt, 0)
+        return [o.others_python, competitors.__file__, engine, str(o.model), str(self.prompt_files[prompt]),
                 str(n_prompt), str(n_new), str(o.threads), str(o.ctx)]
 
     def run(self, engine: str, measure: str) -> ChildResult:

@@ -78,10 +78,10 @@ def exact_prompt(tokenizer: GGUFTokenizer, target: int) -> str:
 
 
 def write_prompts(tokenizer: GGUFTokenizer, plan: Plan, folder: Path) -> dict[str, Path]:
-    """A file per prompt kind of the plan in `folder`: the short prompt as it is, the others cut to length."""
+    """A file per prompt of the plan in `folder`: the short prompt as it is, the others cut to length."""
     files = {"short": folder / "short.txt"}
     files["short"].write_text(plan.short_prompt)
-    for kind, tokens in plan.prompt_lengths.items():
-        files[kind] = folder / f"{kind}.txt"
-        files[kind].write_text(exact_prompt(tokenizer, tokens))
+    for prompt, tokens in plan.prompt_lengths.items():
+        files[prompt] = folder / f"{prompt}.txt"
+        files[prompt].write_text(exact_prompt(tokenizer, tokens))
     return files

@@ -59,11 +59,11 @@ def build(source: str, out: str, shape: str, seed: int = 0) -> None:
     for key, field in reader.fields.items():  # the tokenizer and chat template
         if key.startswith("tokenizer."):
             value = field.contents()
-            kind = field.types[0]
-            if kind == gguf.GGUFValueType.ARRAY:
+            value_type = field.types[0]
+            if value_type == gguf.GGUFValueType.ARRAY:
                 writer.add_array(key, value)
             else:
-                writer.add_key_value(key, value, kind)
+                writer.add_key_value(key, value, value_type)
 
     def add(name: str, qtype: QType, rows: int, cols: int) -> None:
         writer.add_tensor(name, matrix(pools, qtype, rows, cols, rng), raw_dtype=qtype)

@@ -35,7 +35,7 @@ from inferno.cli.common import (
     version_option,
 )
 from inferno.errors import InfernoError
-from inferno.kv import DEFAULT_DTYPE, DTYPES, KINDS
+from inferno.kv import DEFAULT_DTYPE, DTYPES, LAYOUTS
 
 PROG = "model-chat"
 MAX_LINE = 16 * 2**20  # characters of one line of input (model-generate's --prompt-file limit)
@@ -116,9 +116,9 @@ def stats_line(cache, conversation: Conversation) -> str:
 
     last = conversation.last
     if not last:
-        return f"cache {cache.kind} {cache.dtype.name}: {cache.length} tokens, {fmt_bytes(cache.nbytes)}"
+        return f"cache {cache.layout} {cache.dtype.name}: {cache.length} tokens, {fmt_bytes(cache.nbytes)}"
     rate = f"{last['decode_tok_s']:.1f} tok/s" if last["decode_tok_s"] else "-"
-    return (f"cache {cache.kind} {cache.dtype.name}: {cache.length} of {cache.capacity} tokens, "
+    return (f"cache {cache.layout} {cache.dtype.name}: {cache.length} of {cache.capacity} tokens, "
             f"{fmt_bytes(cache.nbytes)}; last turn: {last['reused_tokens']} tokens reused from the cache, "
             f"{last['computed_tokens']} computed, {last['generated_tokens']} generated, "
             f"TTFT {last['ttft_ms']:.1f} ms, decode {rate}")
@@ -156,7 +156,7 @@ def command(model, system, template_file, max_new, kv, kv_dtype, max_context, te
     check_activations(activations)
     if max_new < 1:
         raise InfernoError(f"--max-tokens must be at least 1, got {max_new}")
-    if kv not in KINDS:
+    if kv not in LAYOUTS:
         raise InfernoError(f"unknown KV cache mode {kv!r}")
     template = read_template(template_file) if template_file else None
     system = utf8("--system", system) if system is not None else None

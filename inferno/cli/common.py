@@ -434,9 +434,9 @@ def read_text_file(flag: str, path: str, limit: int, what: str = "it", encoding:
     /dev/zero never ends), a larger file before it is read."""
     from inferno.arguments import special_file
 
-    kind = special_file(path)
-    if kind is not None:
-        raise InfernoError(f"{flag} {path} is {kind}: give a regular file")
+    special = special_file(path)
+    if special is not None:
+        raise InfernoError(f"{flag} {path} is {special}: give a regular file")
     try:
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_size > limit:

@@ -32,7 +32,7 @@ from inferno.cli.common import (
     version_option,
 )
 from inferno.errors import InfernoError
-from inferno.kv import DEFAULT_DTYPE, DTYPES, KINDS
+from inferno.kv import DEFAULT_DTYPE, DTYPES, LAYOUTS
 from inferno.kv.window import POSITIONS
 
 PROG = "model-generate"
@@ -102,7 +102,7 @@ def read_prompt_file(path: str, limit: int = PROMPT_FILE_LIMIT) -> str:
 
 
 def cache_options(window: int | None, sinks: int | None, positions: str | None) -> dict:
-    """The window kind's options given on the command line (those not given keep their defaults)."""
+    """The window layout's options given on the command line (those not given keep their defaults)."""
     given = {"window": window, "sinks": sinks, "positions": positions}
     return {name: value for name, value in given.items() if value is not None}
 
@@ -119,7 +119,7 @@ def _optional_values(argv: list[str]) -> list[str]:
         if arg == "--":  # the rest are positionals
             return out + argv[i:]
         nxt = argv[i + 1] if i + 1 < len(argv) else None
-        if arg == "--kv" and not (nxt in KINDS or _near_mode(nxt)):
+        if arg == "--kv" and not (nxt in LAYOUTS or _near_mode(nxt)):
             arg = "--kv=basic"
         if arg == "--log-tokens":
             arg = "--log-tokens=0"
@@ -133,7 +133,7 @@ def _near_mode(word: str | None) -> bool:
 
     if word is None or not word.isalpha() or not word.islower() or os.path.exists(word):
         return False
-    return bool(difflib.get_close_matches(word, KINDS, n=1, cutoff=0.8))
+    return bool(difflib.get_close_matches(word, LAYOUTS, n=1, cutoff=0.8))
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -141,7 +141,7 @@ def _near_mode(word: str | None) -> bool:
 @click.option("--max-tokens", "-n", "max_tokens", type=int, default=None, metavar="N",
               help=f"New tokens at most, as MAX_NEW_TOKENS  [default: {DEFAULT_NEW_TOKENS}]")
 @click.option("--kv", "kv", default=None, metavar="MODE",
-              help=f"KV cache: {' | '.join(KINDS)} (--kv alone, or followed by anything but a mode: "
+              help=f"KV cache: {' | '.join(LAYOUTS)} (--kv alone, or followed by anything but a mode: "
                    "basic; --kv=MODE always a mode). Without it: no cache.")
 @click.option("--kv-dtype", default=DEFAULT_DTYPE, show_default=True, metavar="TYPE",
               help=f"Element type of the cache rows: {' | '.join(DTYPES)}.")
@@ -228,8 +228,8 @@ def command(args, max_tokens, kv, kv_dtype, max_context, block_size, num_samples
     if max_new > MAX_NEW_TOKENS:
         raise InfernoError(f"MAX_NEW_TOKENS {max_new:,} is more than the {MAX_NEW_TOKENS:,} a run can take")
     check_activations(activations)
-    if kv is not None and kv not in KINDS:
-        raise InfernoError(f"unknown KV cache mode {kv!r} (valid: {', '.join(KINDS)})")
+    if kv is not None and kv not in LAYOUTS:
+        raise InfernoError(f"unknown KV cache mode {kv!r} (valid: {', '.join(LAYOUTS)})")
     if log_tokens is not None and log_tokens < 0:
         raise InfernoError(f"--log-tokens takes a count of alternatives, 0 or more; got {log_tokens}")
     if max_context is not None and max_context < 1:
@@ -242,7 +242,7 @@ def command(args, max_tokens, kv, kv_dtype, max_context, block_size, num_samples
     if block_size is not None and (kv != "paged" or block_size < 1):
         raise InfernoError(f"--block-size needs --kv paged and at least 1 token, got {block_size}")
     window_options = cache_options(window, sinks, window_positions)
-    if window_options and (kv is None or kv not in KINDS or not KINDS[kv].evicts):
+    if window_options and (kv is None or kv not in LAYOUTS or not LAYOUTS[kv].evicts):
         raise InfernoError("--window, --sinks and --window-positions apply to --kv window")
     if save_cache and load_cache and os.path.realpath(save_cache) == os.path.realpath(load_cache):
         raise InfernoError("--save-cache names the --load-cache file, which is never modified: give another")
@@ -358,7 +358,7 @@ def command(args, max_tokens, kv, kv_dtype, max_context, block_size, num_samples
 
 def prompt_context(engine, kv: str | None) -> int | None:
     """The most tokens a prompt may be: the model's context, unless a cache that evicts takes it (None)."""
-    return None if kv is not None and kv in KINDS and KINDS[kv].evicts else engine.config.context_length
+    return None if kv is not None and kv in LAYOUTS and LAYOUTS[kv].evicts else engine.config.context_length
 
 
 def check_bounds(engine, prompt: str, chat: bool, system: str | None, max_new: int, num_samples: int | None,
@@ -406,8 +406,8 @@ def show(piece: str, as_json: bool) -> None:
 
 def _check_many(kv: str | None, num_samples: int | None, batch_file: str | None, max_batch: int,
                 prompt_file: str | None, single_only: bool, log_tokens: bool) -> str:
-    """--num-samples and --batch run in a cache of any kind (paged by default: one block pool they
-    share); the kind, or a one-line refusal."""
+    """--num-samples and --batch run in a cache of any layout (paged by default: one block pool they
+    share); the layout, or a one-line refusal."""
     if num_samples is not None and batch_file is not None:
         raise InfernoError("--num-samples and --batch do not go together: give one")
     if num_samples is not None and num_samples < 1:

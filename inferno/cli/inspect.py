@@ -41,7 +41,7 @@ from inferno.cli.common import (
 from inferno.cli.display import fmt_bytes
 from inferno.cli.generate import cache_options
 from inferno.errors import InfernoError
-from inferno.kv import DEFAULT_DTYPE, DEFAULT_KIND, DTYPES, KINDS
+from inferno.kv import DEFAULT_DTYPE, DEFAULT_LAYOUT, DTYPES, LAYOUTS
 from inferno.kv.dtypes import element_type
 from inferno.kv.paged import BLOCK_SIZE
 from inferno.kv.snapshot import Snapshot
@@ -67,7 +67,7 @@ def inspect_model(
     layer: int | None,
     max_context: int | None,
     status: Console | None,
-    kind: str = DEFAULT_KIND,
+    layout: str = DEFAULT_LAYOUT,
     dtype: str = DEFAULT_DTYPE,
     samples: int = 1,
     **options,
@@ -80,7 +80,7 @@ def inspect_model(
     if layer is not None and not 0 <= layer < layers:
         raise InfernoError(f"--layer {layer} does not exist: the model has layers 0..{layers - 1}")
     with blame("--max-context", max_context):
-        report = inspect_prompt(engine, engine.tokenizer.encode(prompt), n_decode, layer, max_context, kind,
+        report = inspect_prompt(engine, engine.tokenizer.encode(prompt), n_decode, layer, max_context, layout,
                                 dtype, samples, **options)
     return {"model": str(model_path)} | report
 
@@ -103,8 +103,8 @@ def split_args(args: tuple[str, ...]) -> tuple[Path, str]:
               help="Show the attention weights of the last query in layer L (0-based).")
 @click.option("--max-context", type=int, default=None,
               help="Tokens the cache is sized for (default: prompt + --decode).")
-@click.option("--kv", "kind", type=click.Choice(list(KINDS)), default=DEFAULT_KIND, show_default=True,
-              help="The cache kind to fill.")
+@click.option("--kv", "layout", type=click.Choice(list(LAYOUTS)), default=DEFAULT_LAYOUT, show_default=True,
+              help="The cache layout to fill.")
 @click.option("--window", type=int, default=None, metavar="W", help="--kv window: the window of every layer.")
 @click.option("--sinks", type=int, default=None, metavar="S", help="--kv window: first positions kept.")
 @click.option("--window-positions", type=click.Choice(POSITIONS), default=None,
@@ -121,7 +121,7 @@ def split_args(args: tuple[str, ...]) -> tuple[Path, str]:
               help="Also draw K/V norms, --layer's attention and --kv paged's block map into FILE.")
 @quiet_option()
 @version_option()
-def command(args, n_decode, layer, max_context, kind, window, sinks, window_positions, block_size, samples,
+def command(args, n_decode, layer, max_context, layout, window, sinks, window_positions, block_size, samples,
             kv_dtype, threads, as_json, plot, quiet):
     """Show what a KV cache holds: geometry, fill, tokens, K/V norms, attention.
 
@@ -134,7 +134,7 @@ def command(args, n_decode, layer, max_context, kind, window, sinks, window_posi
         raise InfernoError(f"--decode must be 0 or more, got {n_decode}")
     if max_context is not None and max_context < 1:
         raise InfernoError(f"--max-context must be at least 1, got {max_context}")
-    if (block_size is not None or samples is not None) and kind != "paged":
+    if (block_size is not None or samples is not None) and layout != "paged":
         raise InfernoError("--block-size and --num-samples need --kv paged")
     if block_size is not None and block_size < 1:
         raise InfernoError(f"--block-size must be at least 1, got {block_size}")
@@ -150,7 +150,7 @@ def command(args, n_decode, layer, max_context, kind, window, sinks, window_posi
     if kind_of_file is not None:  # a FIFO, device or directory named alone: meant as a snapshot, never one
         raise InfernoError(f"{args[0]} is {kind_of_file}: a snapshot is a regular file")
     if len(args) == 1 and is_snapshot_file(args[0]):
-        if n_decode or layer is not None or max_context is not None or kind != DEFAULT_KIND:
+        if n_decode or layer is not None or max_context is not None or layout != DEFAULT_LAYOUT:
             raise InfernoError("--decode, --layer, --max-context and --kv need a model, not a snapshot")
         report = {"snapshot": args[0]} | inspect_snapshot(Snapshot.load(args[0]))
     else:
@@ -160,7 +160,7 @@ def command(args, n_decode, layer, max_context, kind, window, sinks, window_posi
         if block_size is not None:
             options["block_size"] = block_size
         report = inspect_model(model_path, prompt, n_decode, layer, max_context, status,
-                               kind, kv_dtype, samples or 1, **options)
+                               layout, kv_dtype, samples or 1, **options)
     if plot is not None:
         from inferno.analysis.plots import plot_inspect
 

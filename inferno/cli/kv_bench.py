@@ -1,4 +1,4 @@
-"""`kv-bench`: one prompt generated with no cache and each cache kind (and element type), side by side
+"""`kv-bench`: one prompt generated with no cache and each cache layout (and element type), side by side
 in one run; with `--fidelity`, what each element type costs in quality against the float cache; with
 `--batch-sweep 1,2,4,8`, the prompt forked into B sequences decoded together, for each B."""
 
@@ -210,11 +210,11 @@ def timed_modes(engine, prompt_ids: list[int], new_tokens: int, modes: tuple[str
     its TTFT and decode figures leave out."""
     from contextlib import nullcontext
 
-    from inferno.kv import KINDS
+    from inferno.kv import LAYOUTS
 
     results, kernels_ms = {}, {}
     for mode in modes:
-        for dtype in (dtypes[0],) if mode == "off" else [d for d in dtypes if d in KINDS[mode].dtypes]:
+        for dtype in (dtypes[0],) if mode == "off" else [d for d in dtypes if d in LAYOUTS[mode].dtypes]:
             label = mode if mode == "off" or dtypes == (DEFAULT_DTYPE,) else f"{mode}/{dtype}"
             before = engine.startup.jit_ms
             with err.status(f"{label}: {new_tokens} tokens") if err is not None else nullcontext():

@@ -102,7 +102,7 @@ class Fraction(click.ParamType):
     help="Element type of the cache; q8_0 and q4_0 count their scales.",
 )
 @click.option("--kv", "kv_kind", metavar="KIND",
-              help="Size what inferno allocates for this cache kind (with --model): its exact bytes.")
+              help="Size what inferno allocates for this cache layout (with --model): its exact bytes.")
 @click.option("--kv-dtype", metavar="TYPE", help="Element type of that cache's rows (default: f32).")
 @click.option("--sliding-window", type=POSITIVE, metavar="TOKENS", help="Most tokens a sliding layer holds.")
 @click.option("--sliding-layers", metavar="LIST", help="Which layers slide: 0-4,6-10 (0-based) or all.")

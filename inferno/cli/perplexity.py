@@ -25,7 +25,7 @@ from inferno.cli.common import (
     version_option,
 )
 from inferno.errors import InfernoError
-from inferno.kv import DEFAULT_KIND
+from inferno.kv import DEFAULT_LAYOUT
 from inferno.kv.window import DEFAULT_SINKS, POSITIONS
 
 PROG = "kv-perplexity"
@@ -60,14 +60,15 @@ def command(model, text_file, window, sinks, threads, as_json, quiet):
     ids = engine.tokenizer.encode(text)
     if len(ids) < 2:
         raise InfernoError(f"--text {text_file} has {len(ids)} token(s): nothing to score")
-    runs = [(DEFAULT_KIND, {})] if len(ids) <= engine.config.context_length else []
+    runs = [(DEFAULT_LAYOUT, {})] if len(ids) <= engine.config.context_length else []
     runs += [("window", {"window": window, "sinks": sinks, "positions": p}) for p in POSITIONS]
     rows = []
     chunks = -(-(len(ids) - 1) // PREFILL_CHUNK)  # of PREFILL_CHUNK tokens, per run
     with counting(err, chunks * len(runs), f"{len(runs)} caches: chunks") as advance:
-        for kind, options in runs:
-            rows.append(score(engine, ids, kind, options, window, Counted(engine.model, "prefill", advance)))
-    full = rows[0]["perplexity"] if rows[0]["cache"] == DEFAULT_KIND else None
+        for layout, options in runs:
+            counted = Counted(engine.model, "prefill", advance)
+            rows.append(score(engine, ids, layout, options, window, counted))
+    full = rows[0]["perplexity"] if rows[0]["cache"] == DEFAULT_LAYOUT else None
     for row in rows:
         row["vs_full"] = row["perplexity"] / full if full else None
     if as_json:
@@ -89,15 +90,15 @@ def command(model, text_file, window, sinks, threads, as_json, quiet):
     console().print(table)
 
 
-def score(engine, ids: list[int], kind: str, options: dict, window: int, model) -> dict:
-    """The text teacher-forced through a cache of `kind`: its perplexity and what the cache held."""
+def score(engine, ids: list[int], layout: str, options: dict, window: int, model) -> dict:
+    """The text teacher-forced through a cache of `layout`: its perplexity and what the cache held."""
     from inferno.analysis.perplexity import perplexity, token_nll
 
     with blame("--window", window):
-        cache = engine.make_cache(kind, len(ids), 0, **options)
+        cache = engine.make_cache(layout, len(ids), 0, **options)
     t = perf_counter()
     nll = token_nll(model, ids, cache)
-    return {"cache": kind, **options, "perplexity": perplexity(nll), "mean_nll": float(nll.mean()),
+    return {"cache": layout, **options, "perplexity": perplexity(nll), "mean_nll": float(nll.mean()),
             "cache_bytes": cache.nbytes, "evicted_tokens": cache.evicted_tokens,
             "seconds": perf_counter() - t}
 

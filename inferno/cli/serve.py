@@ -35,7 +35,7 @@ from inferno.cli.common import (
 )
 from inferno.cli.display import fmt_bytes
 from inferno.errors import InfernoError
-from inferno.kv import DEFAULT_DTYPE, DTYPES, KINDS
+from inferno.kv import DEFAULT_DTYPE, DTYPES, LAYOUTS
 
 PROG = "model-serve"
 DEFAULT_CACHE_MEMORY = "1GiB"
@@ -65,8 +65,8 @@ def bind(host: str, port: int) -> socket.socket:
         raise InfernoError(f"--host {host}: {exc.strerror}") from None
     except UnicodeError:  # the IDNA codec: a label over 63 characters, a lone surrogate...
         raise InfernoError(f"--host {ascii(host)[:80]} is not a valid host name or address") from None
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
+    family, socket_type, proto, _, address = infos[0]
+    sock = socket.socket(family, socket_type, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
@@ -88,8 +88,8 @@ def url_of(sock: socket.socket) -> str:
               help="Address to listen on (loopback by default; anything else is reachable by others).")
 @click.option("--port", type=int, default=8080, show_default=True, help="Port (0: any free one).")
 @click.option("--kv", default="paged", show_default=True, metavar="KIND",
-              help=f"KV cache: {' | '.join(KINDS)}. paged: one block pool all requests share, with prefix "
-                   "caching; any other kind: a cache of its own per request.")
+              help=f"KV cache: {' | '.join(LAYOUTS)}. paged: one block pool all requests share, with prefix "
+                   "caching; any other layout: a cache of its own per request.")
 @click.option("--kv-dtype", default=DEFAULT_DTYPE, show_default=True, metavar="TYPE",
               help=f"Element type of the cache rows: {' | '.join(DTYPES)}.")
 @click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per block (--kv paged).")
@@ -120,8 +120,8 @@ def command(model, host, port, kv, kv_dtype, block_size, cache_memory, max_batch
 
     set_threads(threads)
     check_activations(activations)
-    if kv not in KINDS:
-        raise InfernoError(f"unknown KV cache kind {kv!r} (valid: {', '.join(KINDS)})")
+    if kv not in LAYOUTS:
+        raise InfernoError(f"unknown KV cache layout {kv!r} (valid: {', '.join(LAYOUTS)})")
     if kv_dtype not in DTYPES:
         raise InfernoError(f"unknown --kv-dtype {kv_dtype!r} (valid: {', '.join(DTYPES)})")
     for flag, value, least in (("--max-batch", max_batch, 1), ("--step-tokens", step_tokens, 1),

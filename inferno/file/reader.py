@@ -74,9 +74,9 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
             from None
     if path.is_dir():
         raise InfernoError(f"{path}: is a directory, not a GGUF file")
-    kind = special_file(path)
-    if kind is not None:  # opening a FIFO nobody writes to would wait forever; /dev/zero never ends
-        raise InfernoError(f"{path}: is {kind}, not a GGUF file")
+    special = special_file(path)
+    if special is not None:  # opening a FIFO nobody writes to would wait forever; /dev/zero never ends
+        raise InfernoError(f"{path}: is {special}, not a GGUF file")
     try:
         size = path.stat().st_size
         with path.open("rb") as f:

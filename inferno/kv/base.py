@@ -1,4 +1,4 @@
-"""The KV cache protocol every kind implements.
+"""The KV cache protocol every layout implements.
 
 Every layer's attention needs the keys and values of all earlier tokens. A cache keeps them so a
 decode step computes K and V for its one new token only. K is stored after RoPE, so a cached row
@@ -8,12 +8,12 @@ Writing is two-phase: `write` puts a layer's rows at an explicit position, and `
 committed `length` once every layer has written them, so a half-written token is never visible to
 a reader of the committed state (`read` with no end, snapshots, `kv-inspect`).
 
-A kind implements `_store`, `_rows`, `_clear` and `nbytes` (and `planned_nbytes`, what it allocates for
+A layout implements `_store`, `_rows`, `_clear` and `nbytes` (and `planned_nbytes`, what it allocates for
 a capacity, which kv-memcalc prints); `attend` is the decode step's attention over the cache, which a
-kind storing rows in another element type can compute on its own rows.
+layout storing rows in another element type can compute on its own rows.
 
-The element type of the rows (`dtype`, see `inferno.kv.dtypes`) is a choice separate from the kind:
-a kind lists the ones it can hold in `dtypes`. `stored_rows` / `write_stored` move rows as they are
+The element type of the rows (`dtype`, see `inferno.kv.dtypes`) is a choice separate from the layout:
+a layout lists the ones it can hold in `dtypes`. `stored_rows` / `write_stored` move rows as they are
 stored (a snapshot of a q8_0 cache holds its blocks, not floats rounded twice).
 """
 
@@ -31,17 +31,17 @@ from inferno.kv.geometry import KVGeometry
 
 
 class KVCacheFullError(InfernoError):
-    """A write would go past the cache's capacity; only a kind that `evicts` ever drops a row."""
+    """A write would go past the cache's capacity; only a layout that `evicts` ever drops a row."""
 
 
 class KVCache(ABC):
     """Keys and values of every layer, rows [token, kv_width] in float32."""
 
-    kind: ClassVar[str]
-    # A kind that evicts old positions to make room never refuses for length, may run past the
+    layout: ClassVar[str]
+    # A layout that evicts old positions to make room never refuses for length, may run past the
     # model's context, and may move keys to other positions: it is given the model's RoPE.
     evicts: ClassVar[bool] = False
-    dtypes: ClassVar[tuple[str, ...]] = (F32,)  # element types this kind can hold
+    dtypes: ClassVar[tuple[str, ...]] = (F32,)  # element types this layout can hold
 
     def __init__(self, geometry: KVGeometry, capacity: int, dtype: str = F32):
         if capacity < 1:
@@ -63,11 +63,11 @@ class KVCache(ABC):
 
     @classmethod
     def element_type(cls, dtype: str) -> ElementType:
-        """The element type `dtype` names, refused when this kind cannot hold it."""
+        """The element type `dtype` names, refused when this layout cannot hold it."""
         if dtype not in cls.dtypes:
             element_type(dtype)  # an unknown name gets the list of every element type
             raise InfernoError(
-                f"a {cls.kind} cache holds {', '.join(cls.dtypes)} rows, not {dtype} "
+                f"a {cls.layout} cache holds {', '.join(cls.dtypes)} rows, not {dtype} "
                 "(prealloc, window and paged hold any)"
             )
         return element_type(dtype)
@@ -75,7 +75,7 @@ class KVCache(ABC):
     @classmethod
     @abstractmethod
     def planned_nbytes(cls, geometry: KVGeometry, capacity: int, dtype: str = F32) -> int:
-        """Bytes a cache of this kind holds for keys and values when `capacity` tokens are in it."""
+        """Bytes a cache of this layout holds for keys and values when `capacity` tokens are in it."""
 
     @property
     @abstractmethod
@@ -179,12 +179,12 @@ class KVCache(ABC):
 
     @property
     def evicted_tokens(self) -> int:
-        """Committed positions some layer no longer holds (only a kind that `evicts` has any)."""
+        """Committed positions some layer no longer holds (only a layout that `evicts` has any)."""
         return 0
 
     def truncate(self, length: int) -> int:
         """Forget every position from `length` on, written or committed (a chat turn edited, a forward
-        interrupted): the positions kept. A kind whose stored rows depend on later ones (grouped element
+        interrupted): the positions kept. A layout whose stored rows depend on later ones (grouped element
         types, a window that slid, shared blocks) starts over instead: 0."""
         if not 0 <= length <= self.length:
             raise ValueError(f"truncate to {length} of the {self.length} committed positions")
@@ -196,11 +196,11 @@ class KVCache(ABC):
         return length
 
     def _truncate(self, length: int) -> bool:
-        """Drop the rows past `length`, or say (False) that this kind cannot."""
+        """Drop the rows past `length`, or say (False) that this layout cannot."""
         return False
 
     def reset(self) -> None:
-        """Forget every token (memory is kept where the kind allows it)."""
+        """Forget every token (memory is kept where the layout allows it)."""
         self.length = 0
         self._written = [0] * self.n_layers
         self._clear()

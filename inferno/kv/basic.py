@@ -16,7 +16,7 @@ class BasicKVCache(KVCache):
     Simple and honest about its cost; capacity is only the limit it refuses to pass.
     """
 
-    kind = "basic"
+    layout = "basic"
 
     def __init__(self, geometry: KVGeometry, capacity: int, dtype: str = F32):
         super().__init__(geometry, capacity, dtype)

@@ -13,7 +13,7 @@ from inferno.kv.paged import PagedKVCache
 
 
 class CacheBatch:
-    """Sequences in caches of any kind: one write and one attention call per sequence and layer."""
+    """Sequences in caches of any layout: one write and one attention call per sequence and layer."""
 
     def __init__(self, caches: Sequence[KVCache]):
         if not caches:

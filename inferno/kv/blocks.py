@@ -28,7 +28,7 @@ from inferno.kernels import attention
 from inferno.kernels.attention import combine_spans_into, mix_values, score_span, softmax_span
 from inferno.kernels.jit import njit
 from inferno.kernels.llvm_ir import prefetch_ahead
-from inferno.kv.vectors import KIND_F16, KIND_Q4, KIND_Q8, block_axpys, block_dots
+from inferno.kv.vectors import PACK_F16, PACK_Q4, PACK_Q8, block_axpys, block_dots
 
 FMT_F32, FMT_F16, FMT_Q8_0, FMT_Q4_0, FMT_Q4_64 = -1, 0, 1, 2, 3  # FMT_F32: float32 rows as computed
 BLOCK = 32  # values per q8_0 / q4_0 block
@@ -175,21 +175,22 @@ def decode_rows(raw: np.ndarray, fmt: int, out: np.ndarray) -> None:
 @njit(cache=True)
 def _layout(fmt: int, n_heads: int, width: int, row_bytes: int) -> tuple[int, int, int, int, int, int]:
     """How stored rows of `fmt` ([row_bytes] each) line up with n_heads query heads of `width` values
-    in all: the vector kind of the blocks, their bytes (f16 rows: "blocks" of 32 halves, no scale), the
-    bytes before a block's values (its scale), head_dim, blocks per head and query heads per KV head."""
+    in all: how the blocks are packed for the vector loads, their bytes (f16 rows: "blocks" of 32
+    halves, no scale), the bytes before a block's values (its scale), head_dim, blocks per head and
+    query heads per KV head."""
     if fmt == FMT_F16:
-        kind, size, first = KIND_F16, 2 * BLOCK, 0
+        packing, size, first = PACK_F16, 2 * BLOCK, 0
     else:
-        kind, size, first = (KIND_Q8 if fmt == FMT_Q8_0 else KIND_Q4), block_bytes(fmt), 2
+        packing, size, first = (PACK_Q8 if fmt == FMT_Q8_0 else PACK_Q4), block_bytes(fmt), 2
     head_dim = width // n_heads
     per_head = head_dim // BLOCK
-    return kind, size, first, head_dim, per_head, n_heads // (row_bytes // size // per_head)
+    return packing, size, first, head_dim, per_head, n_heads // (row_bytes // size // per_head)
 
 
 @njit(cache=True)
-def _scale(kind: int, row: np.ndarray, o: int) -> float:
+def _scale(packing: int, row: np.ndarray, o: int) -> float:
     """The f16 scale at byte o of a stored block (1 for f16 rows, which have none)."""
-    if kind == KIND_F16:
+    if packing == PACK_F16:
         return np.float32(1.0)
     return half_at(row, o)
 
@@ -205,7 +206,7 @@ def score_rows_at(q: np.ndarray, keys: np.ndarray, fmt: int, n_heads: int, weigh
                   col: int) -> None:
     """weights[h, col + s] = q_h . key s (its KV head), over stored rows keys [S, row_bytes] of `fmt`.
     Each stored block is converted once for all the query heads of its KV head."""
-    kind, size, first, head_dim, per_head, group = _layout(fmt, n_heads, q.shape[0], keys.shape[1])
+    packing, size, first, head_dim, per_head, group = _layout(fmt, n_heads, q.shape[0], keys.shape[1])
     n_kv, width = n_heads // group, weights.shape[1]
     for h in range(n_heads):
         for s in range(keys.shape[0]):
@@ -215,8 +216,8 @@ def score_rows_at(q: np.ndarray, keys: np.ndarray, fmt: int, n_heads: int, weigh
         for g in range(n_kv):
             for b in range(per_head):
                 o = (g * per_head + b) * size
-                block_dots(kind, q, g * group * head_dim + b * BLOCK, head_dim, group, keys[s], o + first,
-                           weights, g * group * width + col + s, width, _scale(kind, keys[s], o))
+                block_dots(packing, q, g * group * head_dim + b * BLOCK, head_dim, group, keys[s], o + first,
+                           weights, g * group * width + col + s, width, _scale(packing, keys[s], o))
 
 
 @njit(cache=True, fastmath=True)
@@ -230,15 +231,15 @@ def mix_rows_at(weights: np.ndarray, values: np.ndarray, fmt: int, n_heads: int,
                 col: int) -> None:
     """out[h] += sum_s weights[h, col + s] * value s (its KV head), over stored rows values [S, row_bytes].
     Each stored block is converted once for all the query heads of its KV head."""
-    kind, size, first, head_dim, per_head, group = _layout(fmt, n_heads, out.shape[0], values.shape[1])
+    packing, size, first, head_dim, per_head, group = _layout(fmt, n_heads, out.shape[0], values.shape[1])
     n_kv, width = n_heads // group, weights.shape[1]
     for s in range(values.shape[0]):
         prefetch_ahead(values, s)
         for g in range(n_kv):
             for b in range(per_head):
                 o = (g * per_head + b) * size
-                block_axpys(kind, out, g * group * head_dim + b * BLOCK, head_dim, group, weights,
-                            g * group * width + col + s, width, _scale(kind, values[s], o), values[s],
+                block_axpys(packing, out, g * group * head_dim + b * BLOCK, head_dim, group, weights,
+                            g * group * width + col + s, width, _scale(packing, values[s], o), values[s],
                             o + first)
 
 

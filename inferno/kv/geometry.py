@@ -1,4 +1,4 @@
-"""The shape of a model's KV cache: the one description every cache kind, snapshot, kv-memcalc and
+"""The shape of a model's KV cache: the one description every cache layout, snapshot, kv-memcalc and
 kv-inspect size themselves from.
 
 kv-memcalc also sizes models inferno does not run, whose layers differ in their heads or which cache

@@ -267,10 +267,10 @@ class BlockPool:
 
 class PagedKVCache(KVCache):
     """One sequence's view of a block pool: a block table per layer group, and its length. Alone (no
-    pool given) it owns a pool sized for its capacity, so `--kv paged` works wherever the other kinds
+    pool given) it owns a pool sized for its capacity, so `--kv paged` works wherever the other layouts
     do. With a pool, its element type is the pool's."""
 
-    kind = "paged"
+    layout = "paged"
     dtypes = PAGED_DTYPES
 
     def __init__(self, geometry: KVGeometry, capacity: int, block_size: int = BLOCK_SIZE,

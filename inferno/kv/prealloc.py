@@ -20,7 +20,7 @@ class PreallocKVCache(KVCache):
     owns the buffers (`make_store`), so one that groups positions (q4_kivi) fits as well.
     """
 
-    kind = "prealloc"
+    layout = "prealloc"
     dtypes = tuple(DTYPES)
 
     def __init__(self, geometry: KVGeometry, capacity: int, dtype: str = F32):

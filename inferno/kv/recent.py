@@ -52,7 +52,7 @@ from inferno.kv.blocks import (
 )
 from inferno.kv.geometry import KVGeometry
 from inferno.kv.memory import lazy_zeros
-from inferno.kv.vectors import KIND_Q4, pair_axpys, pair_dots
+from inferno.kv.vectors import PACK_Q4, pair_axpys, pair_dots
 
 RECENT = 22  # newest positions kept in q8_0
 SEGMENT = 128  # positions sharing one key mean
@@ -175,7 +175,7 @@ def score_body(q: np.ndarray, keys: np.ndarray, n_heads: int, weights: np.ndarra
         for g in range(n_kv):
             for c in range(per_head):
                 o = (g * per_head + c) * SCALED_BYTES
-                pair_dots(KIND_Q4, q, (g * group * per_head + c) * SCALED, head_dim, group, keys[s], o + 2,
+                pair_dots(PACK_Q4, q, (g * group * per_head + c) * SCALED, head_dim, group, keys[s], o + 2,
                           weights, g * group * width + col + s, width, half_at(keys[s], o))
 
 
@@ -189,7 +189,7 @@ def mix_body(weights: np.ndarray, values: np.ndarray, n_heads: int, out: np.ndar
         for g in range(n_kv):
             for c in range(per_head):
                 o = (g * per_head + c) * SCALED_BYTES
-                pair_axpys(KIND_Q4, out, (g * group * per_head + c) * SCALED, head_dim, group, weights,
+                pair_axpys(PACK_Q4, out, (g * group * per_head + c) * SCALED, head_dim, group, weights,
                            g * group * width + col + s, width, half_at(values[s], o), values[s], o + 2)
 
 

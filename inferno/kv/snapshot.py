@@ -1,6 +1,6 @@
 """Cache snapshots: a KV cache's committed rows and their token ids in one safetensors file.
 
-A long prompt's prefill is paid once: save the cache after a run, load it into any cache kind of the
+A long prompt's prefill is paid once: save the cache after a run, load it into any cache layout of the
 same model, and only the tokens past the snapshot's are prefilled. The file is what mlx-lm uses for
 prompt caches: safetensors, with the description in the JSON header's `__metadata__` (strings only).
 
@@ -104,7 +104,7 @@ class Snapshot:
     def from_cache(
         cls, cache: KVCache, token_ids: Sequence[int], config: ModelConfig, fingerprint: str
     ) -> Snapshot:
-        """The cache's committed rows, read through the cache protocol so every kind works.
+        """The cache's committed rows, read through the cache protocol so every layout works.
 
         token_ids may run past the committed length: the last token a run samples is never fed back.
         """

@@ -8,8 +8,8 @@ type, so q8_0 and q4_0 rows cost the float work of f32 rows while reading a quar
 of the bytes.
 
 Each function takes a stored row (a 1-D uint8 array) and the byte offset of the block's values in
-it (after the scale), and float32 arrays indexed flat (C-contiguous). `kind` says how the block is
-stored: KIND_F16 (32 IEEE halves), KIND_Q8 (32 int8), KIND_Q4 (16 bytes: low nibbles are values
+it (after the scale), and float32 arrays indexed flat (C-contiguous). `packing` says how the block is
+stored: PACK_F16 (32 IEEE halves), PACK_Q8 (32 int8), PACK_Q4 (16 bytes: low nibbles are values
 0..15, high nibbles 16..31, each minus 8). A block is converted once for all the query heads of its
 KV head (grouped-query attention: 3 heads share each KV head in SmolLM2), which made q8_0 attention
 1.16x and the 4-bit kinds 1.44x faster than a conversion per head.
@@ -28,12 +28,12 @@ from numba.extending import intrinsic
 
 from inferno.kernels.llvm_ir import constant, pointer, splat
 
-KIND_F16, KIND_Q8, KIND_Q4 = 0, 1, 2
+PACK_F16, PACK_Q8, PACK_Q4 = 0, 1, 2
 BLOCK_LANES = 32  # values of one block
 _BYTE, _INT = ir.IntType(8), ir.IntType(32)
 
 
-def _load_values(context, builder, kind: int, lanes: int, row_type, row, offset) -> ir.Value:
+def _load_values(context, builder, packing: int, lanes: int, row_type, row, offset) -> ir.Value:
     """`lanes` values (one block of 32, or blocks stored back to back with no scale between) as
     <lanes x float>, before their scale."""
     def load(element: ir.Type, count: int) -> ir.Value:
@@ -41,9 +41,9 @@ def _load_values(context, builder, kind: int, lanes: int, row_type, row, offset)
         return builder.load(pointer(context, builder, row_type, row, offset, vector), align=1)
 
     floats = ir.VectorType(ir.FloatType(), lanes)
-    if kind == KIND_F16:
+    if packing == PACK_F16:
         return builder.fpext(load(ir.HalfType(), lanes), floats)
-    if kind == KIND_Q8:
+    if packing == PACK_Q8:
         return builder.sitofp(load(_BYTE, lanes), floats)
     packed = load(_BYTE, lanes // 2)
     low = builder.and_(packed, constant(_BYTE, [15] * (lanes // 2)))
@@ -66,14 +66,14 @@ def _sum(builder, vector: ir.Value) -> ir.Value:
     return builder.extract_element(vector, ir.Constant(_INT, 0))
 
 
-def _load_any(context, builder, kind: ir.Value, lanes: int, row_type, row, offset) -> ir.Value:
-    """_load_values for a kind known only at run time: a branch per kind (KIND_Q4 the default one),
+def _load_any(context, builder, packing: ir.Value, lanes: int, row_type, row, offset) -> ir.Value:
+    """_load_values for a packing known only at run time: a branch per packing (PACK_Q4 the default one),
     the loaded vectors joined."""
-    blocks = {kind_: builder.append_basic_block(f"kind{kind_}") for kind_ in (KIND_F16, KIND_Q8, KIND_Q4)}
+    blocks = {p: builder.append_basic_block(f"packing{p}") for p in (PACK_F16, PACK_Q8, PACK_Q4)}
     done = builder.append_basic_block("loaded")
-    branches = builder.switch(kind, blocks[KIND_Q4])
-    for literal in (KIND_F16, KIND_Q8):
-        branches.add_case(ir.Constant(kind.type, literal), blocks[literal])
+    branches = builder.switch(packing, blocks[PACK_Q4])
+    for literal in (PACK_F16, PACK_Q8):
+        branches.add_case(ir.Constant(packing.type, literal), blocks[literal])
     values = []
     for literal, block in blocks.items():
         builder.position_at_end(block)
@@ -93,10 +93,10 @@ def _c_arrays(*arrays) -> bool:
 
 def _dots(lanes: int):
     @intrinsic
-    def dots(typingctx, kind, floats, at, stride, n, row, offset, out, out_at, out_stride, scale):
-        if not isinstance(kind, types.Integer) or not _c_arrays(floats, out):
+    def dots(typingctx, packing, floats, at, stride, n, row, offset, out, out_at, out_stride, scale):
+        if not isinstance(packing, types.Integer) or not _c_arrays(floats, out):
             return None
-        sig = types.void(kind, floats, at, stride, n, row, offset, out, out_at, out_stride, scale)
+        sig = types.void(packing, floats, at, stride, n, row, offset, out, out_at, out_stride, scale)
 
         def codegen(context, builder, signature, args):
             (kind_v, floats_v, at_v, stride_v, n_v, row_v, offset_v,
@@ -123,10 +123,10 @@ def _dots(lanes: int):
 
 def _axpys(lanes: int):
     @intrinsic
-    def axpys(typingctx, kind, floats, at, stride, n, coefs, c_at, c_stride, scale, row, offset):
-        if not isinstance(kind, types.Integer) or not _c_arrays(floats, coefs):
+    def axpys(typingctx, packing, floats, at, stride, n, coefs, c_at, c_stride, scale, row, offset):
+        if not isinstance(packing, types.Integer) or not _c_arrays(floats, coefs):
             return None
-        sig = types.void(kind, floats, at, stride, n, coefs, c_at, c_stride, scale, row, offset)
+        sig = types.void(packing, floats, at, stride, n, coefs, c_at, c_stride, scale, row, offset)
 
         def codegen(context, builder, signature, args):
             (kind_v, floats_v, at_v, stride_v, n_v, coefs_v, c_at_v, c_stride_v,

@@ -66,7 +66,7 @@ DEFAULT_POSITIONS = "shift"
 class WindowKVCache(KVCache):
     """Sinks plus a ring buffer of the last `window` positions per sliding layer; evicts, never refuses."""
 
-    kind = "window"
+    layout = "window"
     evicts = True
     dtypes = tuple(DTYPES)  # row types in slots; q4_kivi and q4_recent in rings of blocks
 

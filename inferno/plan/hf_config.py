@@ -192,7 +192,7 @@ def _sliding(c: Config, layers: int) -> tuple[int | None, frozenset[int] | None]
     if types is not None:
         if not isinstance(types, list) or len(types) != layers:
             raise InfernoError(f"{c.name}: layer_types must list one type per layer ({layers})")
-        return window, frozenset(i for i, kind in enumerate(types) if kind == "sliding_attention")
+        return window, frozenset(i for i, layer_type in enumerate(types) if layer_type == "sliding_attention")
     model_type = c.values.get("model_type", "")
     period = c.values.get("sliding_window_pattern") or ARCH_SWA_PERIOD.get(model_type.removesuffix("_text"))
     if isinstance(period, int) and period > 0:

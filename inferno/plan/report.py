@@ -189,24 +189,24 @@ def build_report(
 
 
 def runtime_bytes(
-    report: dict[str, Any], model_path: str | None, kind: str, dtype: str, window: int | None = None
+    report: dict[str, Any], model_path: str | None, layout: str, dtype: str, window: int | None = None
 ) -> None:
-    """Replace the report's bytes with what `model-generate --kv kind --kv-dtype dtype --max-context N`
+    """Replace the report's bytes with what `model-generate --kv layout --kv-dtype dtype --max-context N`
     (and `--window W` for --kv window: `--sliding-window W` here) allocates for this model: the cache's
     own planned_nbytes, so the two always agree."""
     if model_path is None:
         raise InfernoError("--kv and --kv-dtype size inferno's cache of a model: give --model FILE.gguf")
     geometry = ModelConfig.from_gguf(open_gguf(model_path)).kv_geometry
-    options = {"window": window} if kind == "window" and window else {}
-    report |= {"kv": kind, "dtype": dtype}
-    if not cache_class(kind).evicts:  # a window cache stops growing: its per-token figure is the formula's
-        per_token = planned_nbytes(kind, geometry, 1, dtype)
+    options = {"window": window} if layout == "window" and window else {}
+    report |= {"kv": layout, "dtype": dtype}
+    if not cache_class(layout).evicts:  # a window cache stops growing: its per-token figure is the formula's
+        per_token = planned_nbytes(layout, geometry, 1, dtype)
         report |= {"bytes_per_token": per_token, "bytes_per_token_per_layer": per_token // geometry.layers}
     report.pop("heads", None)  # the multi-head comparison is the formula's, not this cache's
     for row in report["rows"]:
         row.pop("mha_bytes", None)
         row["dtype"] = dtype
-        row["bytes"] = planned_nbytes(kind, geometry, row["context"], dtype, **options) * row["batch"]
+        row["bytes"] = planned_nbytes(layout, geometry, row["context"], dtype, **options) * row["batch"]
 
 
 def _scalar(values: tuple[int, ...]) -> int | list[int]:

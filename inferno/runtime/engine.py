@@ -26,7 +26,7 @@ from inferno.errors import InfernoError
 from inferno.file.config import ModelConfig
 from inferno.kernels import attention
 from inferno.kernels.quant import MATMUL_MIN_ROWS
-from inferno.kv import DEFAULT_DTYPE, DTYPES, KINDS, KVCache, cache_class, make_cache
+from inferno.kv import DEFAULT_DTYPE, DTYPES, LAYOUTS, KVCache, cache_class, make_cache
 from inferno.kv.paged import BLOCK_SIZE, BlockPool, PagedKVCache
 from inferno.model import prepared
 from inferno.model.sampling import Sampler
@@ -50,7 +50,7 @@ class Engine:
         self.fingerprint = fingerprint  # which model made a cache: snapshots are checked against it
         self.path = path
         self._matmul_ready = False  # the BLAS path's kernels are loaded (see ready_for)
-        self._caches_ready = {(WARM_KIND, DEFAULT_DTYPE)}  # (kind, dtype) whose kernels are loaded
+        self._caches_ready = {(WARM_LAYOUT, DEFAULT_DTYPE)}  # (layout, dtype) whose kernels are loaded
 
     @property
     def config(self) -> ModelConfig:
@@ -79,38 +79,38 @@ class Engine:
         return cls(ready.model, tokenizer, startup, ready.fingerprint, str(path))
 
     def make_cache(
-        self, kind: str | None, prompt_tokens: int, new_tokens: int, max_context: int | None = None,
+        self, layout: str | None, prompt_tokens: int, new_tokens: int, max_context: int | None = None,
         dtype: str = DEFAULT_DTYPE, **options
     ) -> KVCache | None:
         """The cache for a request (None: no cache), refusing before any work a request that cannot fit;
         the kernels the request will use are then loaded (see `ready_for`).
 
-        dtype: the element type of its rows (`inferno.kv.dtypes`); options: the kind's own (window:
-        `window`, `sinks`, `positions`; paged: `block_size`). A kind that evicts holds what it can and
+        dtype: the element type of its rows (`inferno.kv.dtypes`); options: the layout's own (window:
+        `window`, `sinks`, `positions`; paged: `block_size`). A layout that evicts holds what it can and
         runs past the model's context in its sliding layers; its global layers, if any, hold up to
         --max-context (default: the model's context).
         """
-        arguments.choice("kind", kind, list(KINDS), optional=True)
+        arguments.choice("layout", layout, list(LAYOUTS), optional=True)
         arguments.count("prompt_tokens", prompt_tokens, 0)
         arguments.count("new_tokens", new_tokens, 0)
         arguments.optional_count("max_context", max_context)
         arguments.choice("dtype", dtype, list(DTYPES))
-        cache = self._cache_for(kind, prompt_tokens, new_tokens, max_context, dtype, **options)
+        cache = self._cache_for(layout, prompt_tokens, new_tokens, max_context, dtype, **options)
         if cache is not None:
-            self._ready_cache(cache, kind, dtype)
+            self._ready_cache(cache, layout, dtype)
         # the most rows a forward of the request can take: the prompt, or with no cache the whole sequence
-        self.ready_for(prompt_tokens + (new_tokens if kind is None else 0))
+        self.ready_for(prompt_tokens + (new_tokens if layout is None else 0))
         return cache
 
     def _cache_for(
-        self, kind: str | None, prompt_tokens: int, new_tokens: int, max_context: int | None,
+        self, layout: str | None, prompt_tokens: int, new_tokens: int, max_context: int | None,
         dtype: str, **options
     ) -> KVCache | None:
         context = self.config.context_length
         needed = prompt_tokens + new_tokens
         if prompt_tokens == 0:
             raise InfernoError("the prompt is empty (0 tokens)")
-        if kind is not None and cache_class(kind).evicts:
+        if layout is not None and cache_class(layout).evicts:
             # a model with global layers keeps every position there: sized for the request, not the context
             mixed = None in self.config.kv_geometry.windows
             capacity = max_context or (min(needed, context) if mixed else context)
@@ -119,7 +119,7 @@ class Engine:
                     f"a cache of {capacity} tokens is more than the model's context of {context}"
                 )
             rotary = self.model.layer_rotary
-            cache = make_cache(kind, self.config.kv_geometry, capacity, dtype, rotary=rotary, **options)
+            cache = make_cache(layout, self.config.kv_geometry, capacity, dtype, rotary=rotary, **options)
             if None in cache.geometry.windows and needed > capacity:
                 raise InfernoError(
                     f"prompt of {prompt_tokens} tokens + {new_tokens} new tokens = {needed}, more than the "
@@ -130,7 +130,7 @@ class Engine:
             raise InfernoError(
                 f"prompt of {prompt_tokens} tokens is longer than the model's context of {context}"
             )
-        if kind is None:
+        if layout is None:
             if dtype != DEFAULT_DTYPE:
                 raise InfernoError(f"a {dtype} element type needs a KV cache, and none was asked for")
             if needed > context:
@@ -149,7 +149,7 @@ class Engine:
                 f"prompt of {prompt_tokens} tokens + {new_tokens} new tokens = {needed}, "
                 f"more than the cache's {capacity} tokens"
             )
-        return make_cache(kind, self.config.kv_geometry, capacity, dtype, **options)
+        return make_cache(layout, self.config.kv_geometry, capacity, dtype, **options)
 
     def ready_for(self, rows: int) -> None:
         """Before the first forward of `rows` rows or more that takes the BLAS path, load (or compile)
@@ -161,15 +161,15 @@ class Engine:
             warm_up_matmul(self.model)
         self._matmul_ready = True
 
-    def _ready_cache(self, cache: KVCache, kind: str, dtype: str) -> None:
-        """Before the first timed forward into a kind and element type this engine has not used yet,
+    def _ready_cache(self, cache: KVCache, layout: str, dtype: str) -> None:
+        """Before the first timed forward into a layout and element type this engine has not used yet,
         `warm_up` runs through the cache (left empty): its attention kernels are loaded (or compiled)
         now, counted in `startup.jit_ms`, not in the request's first forwards."""
-        if (kind, dtype) in self._caches_ready or cache.capacity < 2:
+        if (layout, dtype) in self._caches_ready or cache.capacity < 2:
             return
         with self._counted_as_kernels():
             warm_up(self.model, cache)
-        self._caches_ready.add((kind, dtype))
+        self._caches_ready.add((layout, dtype))
 
     @contextmanager
     def _counted_as_kernels(self) -> Iterator[None]:
@@ -209,7 +209,7 @@ class Engine:
         enough for `pool_tokens` tokens of one sequence (default: max_batch sequences of the model's
         context; memory becomes resident only as blocks are written), with prefix caching across
         requests and preemption when it runs short. Any
-        other kind: a cache of its own per request (`make_cache`); None: the naive path, one request
+        other layout: a cache of its own per request (`make_cache`); None: the naive path, one request
         at a time.
         """
         if kv != "paged":
@@ -259,7 +259,7 @@ class Engine:
         text that can now be shown. It ends at a stop token, one of the `stop` strings (finish_reason
         "stop") or max_new_tokens ("length"); the cache is kept in `Generation.cache`.
 
-        cache: a cache already holding a prefix of prompt_ids (a loaded snapshot); else one of kind
+        cache: a cache already holding a prefix of prompt_ids (a loaded snapshot); else one of layout
         `kv` with rows of element type `kv_dtype` is made for the request (None: no cache, the naive
         path) with cache_options (`window=256`).
         """
@@ -344,17 +344,17 @@ def release_freed_heap() -> None:
         ctypes.CDLL(None).malloc_trim(0)
 
 
-WARM_KIND = "prealloc"  # the cache kind warm_up runs: the default run's; others are warmed on first use
+WARM_LAYOUT = "prealloc"  # the cache layout warm_up runs: the default run's; others are warmed on first use
 
 
 def warm_up(model: Transformer, cache: KVCache | None = None) -> None:
     """Run every kernel a request needs once, so the first timed forward measures work, not compiling
-    or loading: a one-token prefill and one decode step, into `cache` (left empty again) or a WARM_KIND
+    or loading: a one-token prefill and one decode step, into `cache` (left empty again) or a WARM_LAYOUT
     cache of two tokens (the BLAS path's kernels, for long prompts, are warmed when one first comes:
     `warm_up_matmul`)."""
     tokens = np.arange(2) % model.config.vocab_size  # any ids the embedding has
     if cache is None:
-        cache = make_cache(WARM_KIND, model.config.kv_geometry, len(tokens))
+        cache = make_cache(WARM_LAYOUT, model.config.kv_geometry, len(tokens))
     with refusing_non_finite(0):
         check_logits(model.prefill(tokens[:1], cache), 0)
         check_logits(model.decode(int(tokens[1]), 1, cache), 1)

@@ -45,7 +45,7 @@ class Metrics:
     per_forward_ms: list[float] = field(default_factory=list)
     ttft_ms: float = 0.0
     decode_ms: float = 0.0  # from the first token out to the last
-    cache: str | None = None  # the cache kind, None without a cache
+    cache: str | None = None  # the cache layout, None without a cache
     cache_dtype: str | None = None  # the element type of its rows
     activations: str = "f32"  # how the matrix-vector products took activations (nibble_dots.ACTIVATIONS)
     cache_bytes: int = 0

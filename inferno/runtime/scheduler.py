@@ -382,7 +382,7 @@ class Scheduler:
         prompt = len(request.prompt_ids)
         metrics = Metrics(prompt, prompt - held, activations=self.model.activations)
         if cache is not None:
-            metrics.cache, metrics.cache_capacity = cache.kind, cache.capacity
+            metrics.cache, metrics.cache_capacity = cache.layout, cache.capacity
             metrics.cache_dtype = cache.dtype.name
         return metrics
 

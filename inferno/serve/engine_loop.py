@@ -170,10 +170,10 @@ class EngineLoop:
         except queue.Empty:
             return
         while True:
-            kind, sub = command
-            if kind == "submit":
+            verb, sub = command
+            if verb == "submit":
                 self._add(sub)
-            elif kind == "abort":
+            elif verb == "abort":
                 self._abort(sub)
             else:
                 self._stopping = True
@@ -287,9 +287,9 @@ class EngineLoop:
         """Submissions that came in after the thread ended are refused (503)."""
         while True:
             try:
-                kind, sub = self._inbox.get_nowait()
+                verb, sub = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "submit":
+            if verb == "submit":
                 sub.resolve(SchedulerFullError("the server is shutting down"))
 

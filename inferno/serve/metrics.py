@@ -94,9 +94,9 @@ class ServerMetrics:
         label = f'model_name="{_escape(self.model_name)}"'
         out: list[str] = []
 
-        def metric(name: str, kind: str, help: str, value: float, extra: str = "") -> None:
+        def metric(name: str, metric_type: str, help: str, value: float, extra: str = "") -> None:
             out.append(f"# HELP inferno:{name} {help}")
-            out.append(f"# TYPE inferno:{name} {kind}")
+            out.append(f"# TYPE inferno:{name} {metric_type}")
             out.append(f"inferno:{name}{{{label}{extra}}} {_number(value)}")
 
         def histogram(name: str, help: str, h: Histogram) -> None:
