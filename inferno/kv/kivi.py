@@ -42,6 +42,7 @@ from inferno.kv.blocks import (
 )
 from inferno.kv.geometry import KVGeometry
 from inferno.kv.memory import lazy_zeros
+from inferno.kv.sinks import RingSinks
 
 GROUP = 64  # positions per key group
 UNBOUNDED = 2**62  # the capacity of a window's state, which runs past any: it closes every group
@@ -371,47 +372,20 @@ class KiviStore:
         pass  # groups and open rows past the cache's length are never read
 
 
-class KiviRing(KiviStore):
+class KiviRing(RingSinks, KiviStore):
     """One window cache's q4_kivi rows (`inferno.kv.window`): key groups in a ring of `ring_blocks`
     blocks of GROUP positions, through the table of a ring (row_of wraps), which the state closes
     forever; and the sinks' rows in f16, as the open group keeps its own. Until the window slides, every
     position is in the ring and attention is prealloc's; after, the sinks are a span of their own."""
 
+    SINK_FMT, SINK_ROTATED = FMT_F16, False
     block = GROUP  # a prefill piece ends at a block's end at the latest (see ring_blocks)
 
     def __init__(self, geometry: KVGeometry, window: int, sinks: int):
         self.state = KiviState(geometry, UNBOUNDED)
-        self.geometry, self.sinks = geometry, sinks
+        self.geometry = geometry
         blocks, layers, w = ring_blocks(window, sinks), geometry.layers, geometry.kv_width
         self.key_rows = lazy_zeros((layers, blocks * GROUP, key_row_bytes(geometry)), np.uint8)
         self.values = lazy_zeros((layers, blocks * GROUP, value_row_bytes(geometry)), np.uint8)
         self.table, self._block = np.arange(blocks, dtype=np.int32), GROUP
-        self.sink_keys = lazy_zeros((layers, sinks, 2 * w), np.uint8)
-        self.sink_values = lazy_zeros((layers, sinks, 2 * w), np.uint8)
-
-    @property
-    def nbytes(self) -> int:
-        return super().nbytes + self.sink_keys.nbytes + self.sink_values.nbytes
-
-    def write(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
-        super().write(layer, pos, k, v)
-        n = min(self.sinks - pos, k.shape[0])
-        if n > 0:  # a sink: its own f16 copy, which outlives its group's block
-            for rows, out in ((k, self.sink_keys), (v, self.sink_values)):
-                encode_rows(np.ascontiguousarray(rows[:n], np.float32), FMT_F16, out[layer, pos : pos + n])
-
-    def sink_rows(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """float32 keys and values of the sinks, as attention reads them once the window slid."""
-        keys, values = (np.empty((self.sinks, self.geometry.kv_width), np.float32) for _ in range(2))
-        decode_rows(self.sink_keys[layer], FMT_F16, keys)
-        decode_rows(self.sink_values[layer], FMT_F16, values)
-        return keys, values
-
-    def attend(self, layer: int, query: np.ndarray, end: int, start: int = 0,
-               q_sinks: np.ndarray | None = None) -> np.ndarray:
-        """Positions start .. end - 1; with start past the sinks (the window slid) the sinks too, scored
-        with q_sinks (default: the query)."""
-        sinks = None
-        if start > self.sinks > 0:
-            sinks = (query if q_sinks is None else q_sinks, self.sink_keys[layer], self.sink_values[layer])
-        return self.state.attend(layer, query, start, end, *self._rows(layer), sinks)
+        self._make_sinks(layers, sinks, 2 * w)

@@ -52,6 +52,7 @@ from inferno.kv.blocks import (
 )
 from inferno.kv.geometry import KVGeometry
 from inferno.kv.memory import lazy_zeros
+from inferno.kv.sinks import RingSinks
 from inferno.kv.vectors import PACK_Q4, pair_axpys, pair_dots
 
 RECENT = 22  # newest positions kept in q8_0
@@ -437,52 +438,21 @@ class RecentStore:
         pass  # rows past the cache's length are never read; the means are written again with them
 
 
-class RecentRing(RecentStore):
+class RecentRing(RingSinks, RecentStore):
     """One window cache's q4_recent rows (`inferno.kv.window`): body rows in a ring of `ring_blocks`
     blocks of SEGMENT positions, through the table of a ring (body_row wraps), with the state's key
     means a ring as long; and the sinks' rows in q8_0, as the ring of the newest keeps its own. Until the
     window slides, every position is in the ring and attention is prealloc's; after, the sinks are a
     span of their own."""
 
+    SINK_FMT, SINK_ROTATED = FMT_Q8_0, True
     block = SEGMENT  # a prefill piece ends at a block's end at the latest (see ring_blocks)
 
     def __init__(self, geometry: KVGeometry, window: int, sinks: int):
         blocks, layers, w = ring_blocks(window, sinks), geometry.layers, geometry.kv_width
         self.state = RecentState(geometry, UNBOUNDED, kept_means=blocks)
-        self.geometry, self.sinks = geometry, sinks
+        self.geometry = geometry
         self.body_keys = lazy_zeros((layers, blocks * SEGMENT, body_row_bytes(w)), np.uint8)
         self.body_values = lazy_zeros((layers, blocks * SEGMENT, body_row_bytes(w)), np.uint8)
         self.table, self._block = np.arange(blocks, dtype=np.int32), SEGMENT
-        self.sink_keys = lazy_zeros((layers, sinks, ring_row_bytes(w)), np.uint8)
-        self.sink_values = lazy_zeros((layers, sinks, ring_row_bytes(w)), np.uint8)
-
-    @property
-    def nbytes(self) -> int:
-        return super().nbytes + self.sink_keys.nbytes + self.sink_values.nbytes
-
-    def write(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
-        super().write(layer, pos, k, v)
-        n = min(self.sinks - pos, k.shape[0])
-        if n > 0:  # a sink: its own q8_0 copy (the ring's bytes for it), which outlives the ring's slot
-            for rows, out in ((k, self.sink_keys), (v, self.sink_values)):
-                rotated = np.array(rows[:n], np.float32)
-                hadamard_rows(rotated, self.geometry.head_dim)
-                encode_rows(rotated, FMT_Q8_0, out[layer, pos : pos + n])
-
-    def sink_rows(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """float32 keys and values of the sinks, as attention reads them once the window slid."""
-        keys, values = (np.empty((self.sinks, self.geometry.kv_width), np.float32) for _ in range(2))
-        decode_rows(self.sink_keys[layer], FMT_Q8_0, keys)
-        decode_rows(self.sink_values[layer], FMT_Q8_0, values)
-        hadamard_rows(keys, self.geometry.head_dim)  # its own inverse
-        hadamard_rows(values, self.geometry.head_dim)
-        return keys, values
-
-    def attend(self, layer: int, query: np.ndarray, end: int, start: int = 0,
-               q_sinks: np.ndarray | None = None) -> np.ndarray:
-        """Positions start .. end - 1; with start past the sinks (the window slid) the sinks too, scored
-        with q_sinks (default: the query)."""
-        sinks = None
-        if start > self.sinks > 0:
-            sinks = (query if q_sinks is None else q_sinks, self.sink_keys[layer], self.sink_values[layer])
-        return self.state.attend(layer, query, start, end, *self._rows(layer), sinks)
+        self._make_sinks(layers, sinks, ring_row_bytes(w))
