@@ -7,7 +7,8 @@ from gguf import GGMLQuantizationType as QType
 
 from inferno.kernels.quant_batch import batch_matmul
 from inferno.kv import make_cache
-from inferno.kv.paged import BlockPool, PagedKVCache
+from inferno.kv.paged import PagedKVCache
+from inferno.kv.pool import BlockPool
 from inferno.model.transformer import BATCH_ROWS
 
 PROMPTS = ("The capital of France is", "Once upon a time", "def fibonacci(n):", "Water boils at")

@@ -7,7 +7,8 @@ import pytest
 
 from inferno.kernels import attention
 from inferno.kv import KVCacheFullError, KVGeometry, make_cache
-from inferno.kv.paged import BlockPool, PagedKVCache
+from inferno.kv.paged import PagedKVCache
+from inferno.kv.pool import BlockPool
 
 GEOMETRY = KVGeometry(layers=2, kv_heads=2, heads=6, head_dim=8)
 RNG = np.random.default_rng(13)

@@ -11,7 +11,8 @@ import pytest
 from inferno.errors import InfernoError
 from inferno.kv import KVCacheFullError, KVGeometry, kivi, make_cache, planned_nbytes, recent
 from inferno.kv.batch import PagedBatch
-from inferno.kv.paged import HOLE, PAGED_DTYPES, BlockPool, PagedKVCache, layer_groups
+from inferno.kv.paged import PagedKVCache
+from inferno.kv.pool import HOLE, PAGED_DTYPES, BlockPool, layer_groups
 
 # 6 layers: 2 global, 4 sliding over 6 positions -> 3 groups of 2 layers (global, sliding, sliding)
 HYBRID = KVGeometry(layers=6, kv_heads=2, heads=4, head_dim=64, windows=(None, 6, 6, None, 6, 6))

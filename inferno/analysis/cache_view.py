@@ -16,7 +16,8 @@ import numpy as np
 
 from inferno.errors import InfernoError
 from inferno.kv import DEFAULT_DTYPE, KVCache, KVGeometry, make_cache
-from inferno.kv.paged import BLOCK_SIZE, BlockPool, PagedKVCache, blocks_for, layer_groups
+from inferno.kv.paged import PagedKVCache
+from inferno.kv.pool import BLOCK_SIZE, BlockPool, blocks_for, layer_groups
 from inferno.kv.snapshot import Snapshot
 from inferno.model.validate import check_logits, refusing_non_finite
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from inferno.errors import InfernoError
-from inferno.kv.paged import BLOCK_SIZE, ITEMSIZE
+from inferno.kv.pool import BLOCK_SIZE, ITEMSIZE
 
 if TYPE_CHECKING:
     from inferno.cli.generate_many import Run

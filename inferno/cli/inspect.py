@@ -43,7 +43,7 @@ from inferno.cli.generate import cache_options
 from inferno.errors import InfernoError
 from inferno.kv import DEFAULT_DTYPE, DEFAULT_LAYOUT, DTYPES, LAYOUTS
 from inferno.kv.dtypes import element_type
-from inferno.kv.paged import BLOCK_SIZE
+from inferno.kv.pool import BLOCK_SIZE
 from inferno.kv.snapshot import Snapshot
 from inferno.kv.window import POSITIONS
 

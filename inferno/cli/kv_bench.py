@@ -29,7 +29,7 @@ from inferno.cli.common import (
 )
 from inferno.errors import InfernoError
 from inferno.kv import DEFAULT_DTYPE, DTYPES
-from inferno.kv.paged import BLOCK_SIZE
+from inferno.kv.pool import BLOCK_SIZE
 
 PROG = "kv-bench"
 FIDELITY_TOKENS = 1024

@@ -145,7 +145,7 @@ def command(model, host, port, kv, kv_dtype, block_size, cache_memory, max_batch
     if not is_loopback(host) and api_key is None:
         say(f"warning: listening on {host} without --api-key: anyone who reaches it can use the model")
 
-    from inferno.kv.paged import BlockPool, layer_groups
+    from inferno.kv.pool import BlockPool, layer_groups
     from inferno.runtime.engine import Engine
     from inferno.serve.app import ServeConfig, create_app, model_id, render_chat
     from inferno.serve.engine_loop import EngineLoop

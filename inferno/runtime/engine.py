@@ -27,7 +27,8 @@ from inferno.file.config import ModelConfig
 from inferno.kernels import attention
 from inferno.kernels.quant import MATMUL_MIN_ROWS
 from inferno.kv import DEFAULT_DTYPE, DTYPES, LAYOUTS, KVCache, cache_class, make_cache
-from inferno.kv.paged import BLOCK_SIZE, BlockPool, PagedKVCache
+from inferno.kv.paged import PagedKVCache
+from inferno.kv.pool import BLOCK_SIZE, BlockPool
 from inferno.model import prepared
 from inferno.model.sampling import Sampler
 from inferno.model.transformer import BATCH_ROWS, Transformer

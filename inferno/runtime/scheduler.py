@@ -31,7 +31,8 @@ import numpy as np
 
 from inferno.errors import InfernoError
 from inferno.kv import KVCache
-from inferno.kv.paged import BlockPool, PagedKVCache
+from inferno.kv.paged import PagedKVCache
+from inferno.kv.pool import BlockPool
 from inferno.model.sampling import Sampler
 from inferno.model.transformer import PREFILL_CHUNK, Transformer
 from inferno.model.validate import check_logits, refusing_non_finite
