@@ -23,9 +23,8 @@ import hashlib
 import json
 import mmap
 import os
-import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from stat import S_ISREG
@@ -271,15 +270,9 @@ def _read(entry: Path, ident: dict, model_path: str | os.PathLike) -> Prepared:
 
 
 def _in_background(build: Callable[[], object]) -> Future:
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(build())
-        except BaseException as exc:  # handed to whoever waits for it
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="inferno-tokenizer", daemon=True).start()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="inferno-tokenizer")
+    future = pool.submit(build)
+    pool.shutdown(wait=False)  # the build still runs; its thread ends with it
     return future
 
 
