@@ -4,9 +4,12 @@ what the model built from the file computes."""
 
 from __future__ import annotations
 
+import errno
 import json
+import mmap
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -64,13 +67,23 @@ def test_a_second_load_reads_the_entry_and_computes_the_same(cache_dir, model_fi
     same_model(built, cached)
 
 
+def replace(entry, data: bytes) -> None:
+    """The entry replaced by `data`, as a new file: the process that wrote the entry maps it (its
+    weights were built in the file), and a file cut short under a mapping faults (SIGBUS) on its lost
+    pages, as any memory-mapped model file does."""
+    tmp = entry.with_suffix(".new")
+    tmp.write_bytes(data)
+    os.replace(tmp, entry)
+
+
 def test_a_garbled_tokenizer_in_an_entry_is_built_from_the_file(cache_dir, model_file):
     built = prepared.load(model_file)
     entry = prepared.entry_path(model_file)
     data = bytearray(entry.read_bytes())
-    at = data.rfind(b'"model"')  # inside the tokenizers JSON, the entry's last array
+    header_at = int(np.frombuffer(data, "<u8", 1, len(prepared.MAGIC))[0])
+    at = data.rfind(b'"model"', 0, header_at)  # inside the tokenizers JSON, the last array
     data[at : at + 7] = b"{{{{{{{"
-    entry.write_bytes(bytes(data))
+    replace(entry, bytes(data))
     cached = prepared.load(model_file)
     assert cached.cache == "hit"  # its weights are good; its tokenizer came from the model file
     text = "The tokenizer, rebuilt: 12 + 30 = 42."
@@ -136,14 +149,18 @@ def test_a_cache_limit_of_zero_turns_it_off_and_a_bad_one_is_one_error(cache_dir
 def rewrite_header(entry, change) -> None:
     """Apply change(header) to an entry's JSON header, keeping its arrays where they are."""
     raw = entry.read_bytes()
-    start = len(prepared.MAGIC) + 8
-    end = start + int(np.frombuffer(raw, "<u8", 1, len(prepared.MAGIC))[0])
-    header = json.loads(raw[start:end])
+    at, length = (int(n) for n in np.frombuffer(raw, "<u8", 2, len(prepared.MAGIC)))
+    header = json.loads(raw[at : at + length])
     change(header)
     new = json.dumps(header).encode()
-    data = raw[prepared._aligned(end):]
-    padded = prepared._aligned(start + len(new)) - start - len(new)
-    entry.write_bytes(prepared.MAGIC + np.uint64(len(new)).tobytes() + new + bytes(padded) + data)
+    start = prepared.MAGIC + np.array([at, len(new)], "<u8").tobytes()
+    replace(entry, start + raw[prepared.HEADER_PLACE : at] + new)
+
+
+def garble_header(entry) -> None:
+    raw = entry.read_bytes()
+    at = int(np.frombuffer(raw, "<u8", 1, len(prepared.MAGIC))[0]) + 10
+    replace(entry, raw[:at] + b"garbage" + raw[at + 7 :])
 
 
 def shrink_a_matrix(header: dict) -> None:
@@ -159,9 +176,9 @@ def shrink_a_vector(header: dict) -> None:
 
 
 @pytest.mark.parametrize("damage", [
-    lambda entry: entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2]),  # cut off
-    lambda entry: entry.write_bytes(b"\0" * 64),  # not an entry at all
-    lambda entry: entry.write_bytes(entry.read_bytes()[:40] + b"garbage" + entry.read_bytes()[47:]),
+    lambda entry: replace(entry, entry.read_bytes()[: entry.stat().st_size // 2]),  # cut off
+    lambda entry: replace(entry, b"\0" * 64),  # not an entry at all
+    lambda entry: garble_header(entry),
     lambda entry: rewrite_header(entry, lambda h: h["identity"].update(version=0)),  # an older format
     lambda entry: rewrite_header(entry, shrink_a_matrix),
     lambda entry: rewrite_header(entry, shrink_a_vector),
@@ -183,6 +200,40 @@ def test_an_unwritable_cache_is_skipped(tmp_path, monkeypatch, model_file):
     ready = prepared.load(model_file)
     assert ready.cache == "off" and not list(tmp_path.glob("**/*.model"))
     assert ready.tokenizer.encode("hello") == prepared.load(model_file).tokenizer.encode("hello")
+
+
+def in_a_mapping(array: np.ndarray) -> bool:
+    while isinstance(array, np.ndarray):
+        array = array.base
+    return isinstance(getattr(array, "obj", array), mmap.mmap)
+
+
+def test_the_weights_are_built_in_the_entry_and_a_full_disk_is_no_crash(cache_dir, model_file, monkeypatch):
+    built = prepared.load(model_file)
+    entry = prepared.entry_path(model_file)
+    assert in_a_mapping(built.model.layers[0].qkv.matrices[0].tiles)  # the entry's file: no copy to write
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    entry.unlink()
+    monkeypatch.setattr(os, "posix_fallocate", full)  # no block can be reserved: the arrays are in memory
+    rebuilt = prepared.load(model_file)
+    assert rebuilt.cache == "miss" and not in_a_mapping(rebuilt.model.layers[0].qkv.matrices[0].tiles)
+    same_model(built, rebuilt)
+    monkeypatch.undo()
+    same_model(built, prepared.load(model_file))  # and written all the same
+
+
+def test_half_written_entries_of_ended_processes_are_deleted(cache_dir, model_file):
+    cache_dir.mkdir()
+    no_process = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+    stale = cache_dir / f"x.model.{no_process}.tmp"
+    mine = cache_dir / f"y.model.{os.getpid()}.tmp"
+    stale.write_bytes(b"half")
+    mine.write_bytes(b"half")
+    prepared.load(model_file)
+    assert not stale.exists() and mine.exists()
 
 
 def test_the_cache_directory_follows_the_environment(monkeypatch, tmp_path):

@@ -46,6 +46,7 @@ WIDE_TILE_ROWS = 64  # for 4-bit blocks, whose matvec measured 1.2x faster on 64
 MATMUL_CHUNK_BYTES = 8 << 20  # float32 scratch holding one chunk of dequantized rows in matmul
 MATMUL_MIN_ROWS = 8  # below this many rows of x, matvec per row beats dequantizing the weight for BLAS
 LOAD_CHUNK_BYTES = 4 << 20  # file bytes read per step while repacking
+Allocate = Callable[[tuple[int, ...], type], np.ndarray]  # numpy.empty's signature: where tiles are built
 
 SUPPORTED = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0,
              QType.Q5_1, QType.Q4_K, QType.Q5_K, QType.Q6_K)
@@ -89,15 +90,17 @@ class QuantizedMatrix:
         return cls.from_tensors([tensor])
 
     @classmethod
-    def from_tensors(cls, tensors: list[gguf.ReaderTensor]) -> QuantizedMatrix:
+    def from_tensors(cls, tensors: list[gguf.ReaderTensor], allocate: Allocate = np.empty) -> QuantizedMatrix:
         """The rows of several weights of one block type and row length, one weight after another,
-        each starting on a tile boundary (see `parts`): one kernel call computes them all."""
+        each starting on a tile boundary (see `parts`): one kernel call computes them all.
+
+        allocate(shape, dtype): where the tiles are built (the prepared-model cache passes its file's)."""
         shapes = [_matrix_shape(t) for t in tensors]
         qtype, cols = shapes[0][0], shapes[0][2]
         if any((q, c) != (qtype, cols) for q, _, c in shapes):
             raise ValueError(f"cannot stack {[t.name for t in tensors]}: block types or row lengths differ")
         shape, parts = tile_layout(qtype, [rows for _, rows, _ in shapes], cols)
-        tiles = np.empty(shape, np.uint8)
+        tiles = allocate(shape, np.uint8)
         lanes = shape[3]
         for tensor, (first, rows) in zip(tensors, parts, strict=True):
             _read_tiles(tensor, rows, tiles[first // lanes : (first + rows + lanes - 1) // lanes])
@@ -263,13 +266,15 @@ def _read_tiles(tensor: gguf.ReaderTensor, rows: int, tiles: np.ndarray) -> None
     type_size = gguf.GGML_QUANT_SIZES[QType(qtype)][1]  # the file's
     row_bytes = nblocks * type_size
     step = max(1, LOAD_CHUNK_BYTES // (lanes * row_bytes))  # tiles per read
+    buffer = np.empty(min(step, ntiles) * lanes * row_bytes, np.uint8)  # one, reused: fresh pages cost
     with _open_tensor_bytes(tensor) as f:
         for t in range(0, ntiles, step):
             n = min(step, ntiles - t)
             want = min(n * lanes, rows - t * lanes) * row_bytes
-            chunk = np.zeros(n * lanes * row_bytes, np.uint8)
+            chunk = buffer[: n * lanes * row_bytes]
             if f.readinto(memoryview(chunk)[:want]) != want:
                 raise InfernoError(f"tensor {tensor.name}: file ends inside the tensor's data")
+            chunk[want:] = 0  # the last tile's rows past the weight's
             repack(chunk.reshape(n * lanes, nblocks, type_size), tiles[t : t + n], qtype)
 
 

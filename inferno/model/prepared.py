@@ -11,9 +11,9 @@ used only when its identity (that sample, the size, this VERSION) matches and ev
 and shape the config implies; anything else (stale, cut off, garbled) is rebuilt from the file. An
 entry that cannot be written is skipped: the cache only saves time.
 
-An entry: the 16 bytes of MAGIC, the header's length (little-endian uint64), the JSON header, then
-each array at an offset (from the end of the header, padded to ALIGN) that the header lists with its
-dtype and shape.
+An entry: the 16 bytes of MAGIC, the JSON header's offset and length (little-endian uint64s), the
+arrays, each at an offset in the file (a multiple of ALIGN) that the header lists with its dtype and
+shape, then the header. The header comes last because the weights are written before it is known.
 """
 
 from __future__ import annotations
@@ -36,15 +36,16 @@ from gguf import GGMLQuantizationType as QType
 from inferno.errors import InfernoError
 from inferno.file.config import ModelConfig
 from inferno.file.reader import open_gguf
-from inferno.kernels.quant import QuantizedMatrix
+from inferno.kernels.quant import Allocate, QuantizedMatrix
 from inferno.kv.snapshot import model_fingerprint
 from inferno.model.transformer import Transformer
 from inferno.model.validate import check_config, expected_tensors
 from inferno.text.tokenizer import GGUFTokenizer
 
 MAGIC = b"INFERNO-PREPARED"
-VERSION = 3  # bumped whenever what an entry holds, or the tile layout of quant.py, changes
+VERSION = 4  # bumped whenever what an entry holds, or the tile layout of quant.py, changes
 ALIGN = 64  # bytes: every array starts on a cache line
+HEADER_PLACE = len(MAGIC) + 16  # the header's offset and length (little-endian uint64s) follow MAGIC
 SAMPLE_BYTES = 1 << 20  # of the model file's start and end, hashed into its identity
 CACHE_DIR_ENV = "INFERNO_CACHE_DIR"
 LIMIT_ENV = "INFERNO_CACHE_BYTES"
@@ -57,7 +58,7 @@ class Prepared:
     """A model ready for its kernels, and what getting it cost."""
 
     model: Transformer
-    tokenizer_source: GGUFTokenizer | Future  # a cache hit builds it in the background: see `tokenizer`
+    tokenizer_source: GGUFTokenizer | Future  # built in the background: see `tokenizer`
     fingerprint: str
     cache: str = "off"  # "hit": read from the cache; "miss": built from the file, entry written; "off"
     cache_bytes: int = 0  # the entry's size on disk (0: none)
@@ -66,14 +67,16 @@ class Prepared:
 
     @property
     def tokenizer(self) -> GGUFTokenizer:
-        """The tokenizer, once its background build is done. `tokenizers` parses its JSON without
-        Python's lock (a large vocabulary takes hundreds of milliseconds), so on a cache hit that runs
-        beside the kernels' loading instead of before it."""
+        """The tokenizer, once its background build is done. On a cache hit, `tokenizers` parses its
+        JSON without Python's lock (a large vocabulary takes hundreds of milliseconds), beside the
+        kernels' loading instead of before it."""
         if isinstance(self.tokenizer_source, Future):
             try:
                 self.tokenizer_source, self.parts_ms["tokenizer"] = self.tokenizer_source.result()
-            except Exception:  # a garbled entry: the file still has it
-                t = perf_counter()
+            except Exception:
+                if self.cache != "hit":
+                    raise
+                t = perf_counter()  # a garbled entry: the file still has it
                 self.tokenizer_source = GGUFTokenizer.from_gguf(open_gguf(self.path))
                 self.parts_ms["tokenizer"] = (perf_counter() - t) * 1000
         return self.tokenizer_source
@@ -139,10 +142,16 @@ def load(model_path: str | os.PathLike) -> Prepared:
             return prepared
         except Exception:  # absent, stale, cut off or garbled: any of it means rebuild
             pass
-    prepared, built = _build(model_path)
-    if entry is not None:
+    writer = _EntryWriter.open(entry) if entry is not None else None
+    try:
+        prepared, built = _build(model_path, writer.empty if writer else np.empty)
+    except BaseException:
+        if writer:
+            writer.abandon()
+        raise
+    if writer:
         t = perf_counter()
-        if _write(entry, ident, prepared, built):
+        if writer.finish(built, prepared, ident):
             prepared.cache, prepared.cache_bytes = "miss", entry.stat().st_size
             _evict(entry.parent, limit, keep=entry)
         prepared.parts_ms["cache_write"] = (perf_counter() - t) * 1000
@@ -151,7 +160,8 @@ def load(model_path: str | os.PathLike) -> Prepared:
 
 def _evict(directory: Path, limit: int, keep: Path) -> None:
     """Delete the least recently used entries but `keep` until the directory's entries fit in `limit`
-    bytes (`keep` stays even when it alone is larger: it was just asked for)."""
+    bytes (`keep` stays even when it alone is larger: it was just asked for), and the half-written
+    entries of processes that are gone."""
     entries = []
     for path in directory.glob("*.model"):
         with contextlib.suppress(OSError):
@@ -165,59 +175,149 @@ def _evict(directory: Path, limit: int, keep: Path) -> None:
             with contextlib.suppress(OSError):
                 path.unlink()
                 total -= size
+    for path in directory.glob("*.model.*.tmp"):
+        pid = path.name.split(".")[-2]
+        if pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
-def _build(model_path: str | os.PathLike) -> tuple[Prepared, dict]:
-    """The model from the file, and the arrays its weights were built into (by tensor name)."""
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: alive
+        pass
+    return True
+
+
+def _build(model_path: str | os.PathLike, allocate: Allocate) -> tuple[Prepared, dict]:
+    """The model from the file, its matrices' tiles built in `allocate`'s arrays, and what its weights
+    were built into (by tensor name)."""
     t0 = perf_counter()
     reader = open_gguf(model_path)
-    config, weights = Transformer.weights_of(reader)
+    config, weights = Transformer.weights_of(reader, allocate)
     t1 = perf_counter()
     model = Transformer.from_weights(config, weights)
     t2 = perf_counter()
-    tokenizer = GGUFTokenizer.from_gguf(reader)
-    t3 = perf_counter()
+    # Not in the background: building it holds Python's lock, which the repacking loop then waits for
+    # (a switch interval per chunk: slower than building it first).
+    tokenizer, tokenizer_ms = _timed(GGUFTokenizer.from_gguf, reader)
     prepared = Prepared(model, tokenizer, model_fingerprint(reader))
-    prepared.parts_ms = {"open": (t1 - t0 + perf_counter() - t3) * 1000, "weights": (t2 - t1) * 1000,
-                         "tokenizer": (t3 - t2) * 1000}
+    prepared.parts_ms = {"open": (t1 - t0) * 1000, "weights": (t2 - t1) * 1000, "tokenizer": tokenizer_ms}
     return prepared, weights.built
 
 
-def _write(entry: Path, ident: dict, prepared: Prepared, built: dict) -> bool:
-    """Write the entry atomically (a reader sees the old entry or the new one, never half of one)."""
-    arrays, matrices = {}, {}
-    for name, item in built.items():
-        if isinstance(item, QuantizedMatrix):
-            arrays[name] = item.tiles
-            matrices[name] = {"names": item.part_names, "qtype": int(item.qtype), "cols": item.cols,
-                              "parts": item.parts}
-        else:
-            arrays[name] = item
-    state, tokenizer_json = prepared.tokenizer.to_state()
-    arrays["tokenizer/state"] = np.frombuffer(json.dumps(state).encode(), np.uint8)
-    arrays["tokenizer/json"] = np.frombuffer(tokenizer_json.encode(), np.uint8)
-    specs, offset = {}, 0
-    for name, array in arrays.items():
-        specs[name] = {"dtype": array.dtype.str, "shape": list(array.shape), "offset": offset}
-        offset += _aligned(array.nbytes)
-    header = json.dumps({"identity": ident, "config": asdict(prepared.model.config),
-                         "fingerprint": prepared.fingerprint, "matrices": matrices, "arrays": specs}).encode()
-    tmp = entry.with_name(f"{entry.name}.{os.getpid()}.tmp")
-    try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        with tmp.open("wb") as f:
-            f.write(MAGIC + np.uint64(len(header)).tobytes() + header)
-            f.write(bytes(_aligned(f.tell()) - f.tell()))
-            for array in arrays.values():
-                data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-                f.write(data.data)
-                f.write(bytes(_aligned(data.nbytes) - data.nbytes))
-        os.replace(tmp, entry)
-        return True
-    except OSError:
+def _timed(build: Callable, *args) -> tuple[object, float]:
+    """build(*args), and the milliseconds it took."""
+    t = perf_counter()
+    return build(*args), (perf_counter() - t) * 1000
+
+
+class _EntryWriter:
+    """An entry being written, under a temporary name until `finish` names it, so a reader sees the old
+    entry or the new one, never half of one.
+
+    The weights' tiles are built straight into the file (`empty`: arrays in a shared mapping of it), so
+    they reach the page cache as they are repacked and are not copied a second time to be written: for
+    a 1.5B model that copy was a gigabyte of fresh pages."""
+
+    def __init__(self, entry: Path, fd: int):
+        self.entry, self._fd = entry, fd
+        self._end = mmap.PAGESIZE  # the first array's offset: after MAGIC and the header's place
+        self._placed: dict[int, tuple[np.ndarray, int]] = {}  # id(array) -> (array, offset)
+
+    @property
+    def tmp(self) -> Path:
+        return self.entry.with_name(f"{self.entry.name}.{os.getpid()}.tmp")
+
+    @classmethod
+    def open(cls, entry: Path) -> _EntryWriter | None:
+        """None when the cache directory cannot be written: the cache only saves time."""
+        try:
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            tmp = entry.with_name(f"{entry.name}.{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError:
+            return None
+        return cls(entry, fd)
+
+    def empty(self, shape: tuple[int, ...], dtype: type = np.uint8) -> np.ndarray:
+        """An uninitialized array in the file. Its blocks are reserved before it is mapped, so a full disk
+        is refused here (the array is then in memory, and `finish` writes it) rather than raising SIGBUS
+        when a page is first written."""
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        start = -(-self._end // mmap.ALLOCATIONGRANULARITY) * mmap.ALLOCATIONGRANULARITY
+        if count == 0 or self._fd < 0:
+            return np.empty(shape, dtype)
+        try:
+            os.posix_fallocate(self._fd, start, count * dtype.itemsize)
+            mapped = mmap.mmap(self._fd, count * dtype.itemsize, mmap.MAP_SHARED, offset=start)
+        except OSError:
+            return np.empty(shape, dtype)
+        array = np.frombuffer(mapped, dtype, count).reshape(shape)
+        self._placed[id(array)] = (array, start)
+        self._end = start + array.nbytes
+        return array
+
+    def finish(self, built: dict, prepared: Prepared, ident: dict) -> bool:
+        """Write what is not in the file yet (vectors, the tokenizer) and the header, and name the
+        entry. False (and no entry) when that fails."""
+        arrays, matrices = {}, {}
+        for name, item in built.items():
+            if isinstance(item, QuantizedMatrix):
+                arrays[name] = item.tiles
+                matrices[name] = {"names": item.part_names, "qtype": int(item.qtype), "cols": item.cols,
+                                  "parts": item.parts}
+            else:
+                arrays[name] = item
+        state, tokenizer_json = prepared.tokenizer.to_state()
+        arrays["tokenizer/state"] = np.frombuffer(json.dumps(state).encode(), np.uint8)
+        arrays["tokenizer/json"] = np.frombuffer(tokenizer_json.encode(), np.uint8)
+        try:
+            specs = {name: {"dtype": a.dtype.str, "shape": list(a.shape), "offset": self._place(a)}
+                     for name, a in arrays.items()}
+            header = json.dumps({"identity": ident, "config": asdict(prepared.model.config),
+                                 "fingerprint": prepared.fingerprint, "matrices": matrices,
+                                 "arrays": specs}).encode()
+            at = _aligned(self._end)
+            self._write(header, at)
+            self._write(MAGIC + np.array([at, len(header)], "<u8").tobytes(), 0)
+            os.close(self._fd)
+            self._fd = -1
+            os.replace(self.tmp, self.entry)
+            return True
+        except OSError:
+            self.abandon()
+            return False
+
+    def abandon(self) -> None:
+        """Delete the half-written entry (arrays already handed out stay valid: their mappings hold
+        reserved blocks, and outlive the file's name)."""
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1
         with contextlib.suppress(OSError):
-            tmp.unlink()
-        return False
+            self.tmp.unlink()
+
+    def _place(self, array: np.ndarray) -> int:
+        """The array's offset in the file, writing it there if `empty` did not put it there."""
+        placed = self._placed.get(id(array))
+        if placed is not None and placed[0] is array:
+            return placed[1]
+        at = _aligned(self._end)
+        self._write(np.ascontiguousarray(array).reshape(-1).view(np.uint8), at)
+        self._end = at + array.nbytes
+        return at
+
+    def _write(self, data: bytes | np.ndarray, at: int) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            n = os.pwrite(self._fd, view, at)
+            view, at = view[n:], at + n
 
 
 def _aligned(n: int) -> int:
@@ -232,20 +332,19 @@ def _read(entry: Path, ident: dict, model_path: str | os.PathLike) -> Prepared:
     size = len(mapped)
     if mapped[: len(MAGIC)] != MAGIC:
         raise ValueError("not a prepared-model entry")
-    header_end = len(MAGIC) + 8 + int(np.frombuffer(mapped, "<u8", 1, len(MAGIC))[0])
-    header = json.loads(mapped[len(MAGIC) + 8 : header_end])
+    at, length = (int(n) for n in np.frombuffer(mapped, "<u8", 2, len(MAGIC)))
+    header = json.loads(mapped[at : at + length])
     if header["identity"] != ident:
         raise ValueError("stale entry")
-    base = _aligned(header_end)
 
     def array(name: str) -> np.ndarray:
         spec = header["arrays"][name]
         dtype, shape, offset = np.dtype(spec["dtype"]), tuple(map(int, spec["shape"])), int(spec["offset"])
         count = int(np.prod(shape, dtype=np.int64))
-        end = base + offset + count * dtype.itemsize
-        if offset % ALIGN or offset < 0 or min(shape, default=1) < 0 or end > size:
-            raise ValueError(f"array {name} lies outside the entry")
-        return np.frombuffer(mapped, dtype, count, base + offset).reshape(shape)
+        end = offset + count * dtype.itemsize
+        if offset % ALIGN or offset < HEADER_PLACE or min(shape, default=1) < 0 or end > at:
+            raise ValueError(f"array {name} lies outside the entry's arrays")
+        return np.frombuffer(mapped, dtype, count, offset).reshape(shape)
 
     fields = header["config"]
     per_layer = ("layer_windows", "layer_rope_bases")  # tuples, which JSON wrote as lists
@@ -257,16 +356,15 @@ def _read(entry: Path, ident: dict, model_path: str | os.PathLike) -> Prepared:
     t2 = perf_counter()
     state, text = array("tokenizer/state").tobytes(), array("tokenizer/json").tobytes()
 
-    def tokenizer() -> tuple[GGUFTokenizer, float]:
-        t = perf_counter()
+    def tokenizer() -> GGUFTokenizer:
         built = GGUFTokenizer.from_state(json.loads(state), text.decode())
         if built.vocab_size > config.vocab_size:
             raise ValueError("more tokens than embedding rows")
-        return built, (perf_counter() - t) * 1000
+        return built
 
     parts = {"open": (t1 - t0) * 1000, "weights": (t2 - t1) * 1000}
-    return Prepared(model, _in_background(tokenizer), str(header["fingerprint"]), "hit", size, parts,
-                    str(model_path))
+    return Prepared(model, _in_background(lambda: _timed(tokenizer)), str(header["fingerprint"]), "hit", size,
+                    parts, str(model_path))
 
 
 def _in_background(build: Callable[[], object]) -> Future:
