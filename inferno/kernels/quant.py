@@ -20,10 +20,12 @@ Compilation. Kernels are built per GGML type on first use (see `_kernels`) and c
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import io
-from collections.abc import Callable
-from typing import BinaryIO, NamedTuple
+import mmap
+import os
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import gguf
 import numba
@@ -45,7 +47,7 @@ TILE_ROWS = 32  # lanes per tile: full SIMD loops, yet enough tiles to share sma
 WIDE_TILE_ROWS = 64  # for 4-bit blocks, whose matvec measured 1.2x faster on 64 lanes (Q8_0: 1.4x slower)
 MATMUL_CHUNK_BYTES = 8 << 20  # float32 scratch holding one chunk of dequantized rows in matmul
 MATMUL_MIN_ROWS = 8  # below this many rows of x, matvec per row beats dequantizing the weight for BLAS
-LOAD_CHUNK_BYTES = 4 << 20  # file bytes read per step while repacking
+LOAD_WINDOW_BYTES = 64 << 20  # file bytes mapped at a time while repacking
 Allocate = Callable[[tuple[int, ...], type], np.ndarray]  # numpy.empty's signature: where tiles are built
 
 SUPPORTED = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0,
@@ -257,38 +259,41 @@ def tile_layout(qtype: QType, rows: list[int], cols: int) -> tuple[tuple[int, ..
 
 def _read_tiles(tensor: gguf.ReaderTensor, rows: int, tiles: np.ndarray) -> None:
     """Fill tiles uint8[tiles, blocks, type_size, lanes] with the tensor's blocks, zero rows padding the
-    last tile.
-
-    Read from the file a few tiles at a time rather than through the reader's memory map: pages touched
-    in the map would stay resident next to the repacked copy, doubling the model's memory."""
+    last tile."""
     ntiles, nblocks, _, lanes = tiles.shape
     qtype = int(tensor.tensor_type)
     type_size = gguf.GGML_QUANT_SIZES[QType(qtype)][1]  # the file's
     row_bytes = nblocks * type_size
-    step = max(1, LOAD_CHUNK_BYTES // (lanes * row_bytes))  # tiles per read
-    buffer = np.empty(min(step, ntiles) * lanes * row_bytes, np.uint8)  # one, reused: fresh pages cost
-    with _open_tensor_bytes(tensor) as f:
-        for t in range(0, ntiles, step):
-            n = min(step, ntiles - t)
-            want = min(n * lanes, rows - t * lanes) * row_bytes
-            chunk = buffer[: n * lanes * row_bytes]
-            if f.readinto(memoryview(chunk)[:want]) != want:
-                raise InfernoError(f"tensor {tensor.name}: file ends inside the tensor's data")
-            chunk[want:] = 0  # the last tile's rows past the weight's
-            repack(chunk.reshape(n * lanes, nblocks, type_size), tiles[t : t + n], qtype)
+    step = max(1, LOAD_WINDOW_BYTES // (lanes * row_bytes))  # tiles per window
+    for t in range(0, ntiles, step):
+        n = min(step, ntiles - t)
+        count = min(n * lanes, rows - t * lanes)
+        with _tensor_bytes(tensor, t * lanes * row_bytes, count * row_bytes) as raw:
+            repack(raw.reshape(count, nblocks, type_size), tiles[t : t + n], qtype)
 
 
-def _open_tensor_bytes(tensor: gguf.ReaderTensor) -> BinaryIO:
-    """A binary stream positioned at the tensor's first byte: the mapped file when the tensor's array
-    is a view of an np.memmap (as GGUFReader's are), else the array's own bytes."""
+@contextlib.contextmanager
+def _tensor_bytes(tensor: gguf.ReaderTensor, start: int, length: int) -> Iterator[np.ndarray]:
+    """uint8[length]: the tensor's bytes from `start`. From the file, through a mapping of just these
+    bytes whose pages are dropped afterwards: pages touched in the reader's own map would stay resident
+    next to the repacked copy, doubling the model's memory, and read() into a buffer copies every byte
+    once more. A tensor not in a file (a reader over bytes) gives a view of its array."""
     array = tensor.data
-    while isinstance(array, np.ndarray):
-        if isinstance(array, np.memmap) and array.filename:
-            f = open(array.filename, "rb")  # noqa: SIM115 (closed by the caller's with-block)
-            f.seek(int(tensor.data_offset))
-            return f
+    while isinstance(array, np.ndarray) and not (isinstance(array, np.memmap) and array.filename):
         array = array.base
-    return io.BytesIO(np.ascontiguousarray(tensor.data).view(np.uint8).reshape(-1)[: int(tensor.n_bytes)])
+    if not isinstance(array, np.memmap):
+        yield np.ascontiguousarray(tensor.data).view(np.uint8).reshape(-1)[start : start + length]
+        return
+    at = int(tensor.data_offset) + start
+    page = at - at % mmap.ALLOCATIONGRANULARITY
+    with open(array.filename, "rb") as f:
+        if os.fstat(f.fileno()).st_size < at + length:
+            raise InfernoError(f"tensor {tensor.name}: file ends inside the tensor's data")
+        window = mmap.mmap(f.fileno(), at + length - page, access=mmap.ACCESS_READ, offset=page)
+    try:
+        yield np.frombuffer(window, np.uint8, length, at - page)
+    finally:
+        window.madvise(mmap.MADV_DONTNEED)  # out of this process's memory (the page cache keeps them)
 
 
 # ---------------------------------------------------------------------------------------------------

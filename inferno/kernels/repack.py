@@ -21,12 +21,15 @@ _QS_Q4_0, _QS_Q4_1 = PACKED[Q4_0].quads, PACKED[Q4_1].quads
 
 @njit(cache=True, parallel=True)
 def repack(raw, tiles, qtype):
-    """raw uint8[tiles * lanes rows, blocks, file bytes] -> tiles uint8[tile, block, tile bytes, lane]."""
+    """raw uint8[rows, blocks, file bytes] -> tiles uint8[tile, block, tile bytes, lane]; lanes past
+    the rows (the last tile's) are zeros."""
     ntiles, nblocks, _, lanes = tiles.shape
     for t in prange(ntiles):
         for b in range(nblocks):
             dst = tiles[t, b]
-            for lane in range(lanes):
+            if (t + 1) * lanes > raw.shape[0]:
+                dst[:] = 0  # (a lane's words spread over other lanes' columns: see _put)
+            for lane in range(min(lanes, raw.shape[0] - t * lanes)):
                 src = raw[t * lanes + lane, b]
                 at = (lane * 4 // lanes, lane * 4 % lanes)  # where the lane's words start (see _put)
                 if qtype in (Q4_0, Q4_1):
