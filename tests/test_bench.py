@@ -90,3 +90,16 @@ def test_the_matvec_bench_runs_on_a_tiny_model():
     assert rows["attn_q"][1:3] == ["Q8_0", "128x64"] and rows["token_embd"][1:3] == ["Q8_0", "320x64"]
     assert rows["decode"][:3] == ["decode", "pass", "mixed"]  # every matrix, in the model's order
     assert "threads=1" in rows
+
+
+def test_the_sgemm_peak_counts_the_prefill_products_of_the_model():
+    from inferno.bench import sgemm_peak
+    from inferno.file.config import ModelConfig
+
+    config = ModelConfig.from_gguf(open_gguf(TINY))
+    per_layer = sum(n * m for n, m in sgemm_peak.product_shapes(config))
+    q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    assert per_layer == config.hidden_size * (2 * q + 2 * kv + 3 * config.ffn_size)
+    got = sgemm_peak.in_process(str(TINY), tokens=16, threads=1, rounds=1)
+    assert got["gflop"] == pytest.approx(2 * 16 * per_layer * config.n_layers / 1e9)
+    assert got["seconds"] > 0 and got["tok_s"] == pytest.approx(16 / got["seconds"])

@@ -1,7 +1,8 @@
 """inferno against llama.cpp's llama-bench on one model file, side by side in one run: decode at depth 0
 and 2048, prefill of 512 tokens (float32-exact and int8 activations), a first and a later run's whole
-process time and peak RSS. Every measurement is its own process; rounds alternate the two engines;
-the table gives medians.
+process time and peak RSS; and the exact prefill as a fraction of the float32 peak, a plain sgemm of
+its weight products (inferno.bench.sgemm_peak). Every measurement is its own process; rounds alternate
+the two engines; the table gives medians.
 
     python -m inferno.bench.versus_llama MODEL.gguf --llama-bench PATH [--rounds 3] [--threads 2]
 
@@ -22,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from inferno.bench import sgemm_peak
 from inferno.bench.prompts import exact_prompt
 from inferno.file.reader import open_gguf
 from inferno.text.tokenizer import GGUFTokenizer
@@ -78,14 +80,16 @@ def main() -> None:
         rows.setdefault(name, []).append((ours, theirs))
 
     t, b = args.threads, args.llama_bench
+    peak: list[tuple[float, dict]] = []  # the exact prefill's tok/s, and a plain sgemm of its products
     for _ in range(args.rounds):
         ours, theirs = inferno(args.model, prompts[16], 64, t, [], warm), llama(b, args.model, t, 0, 64)
         add("decode tok/s, depth 0", ours["decode"], theirs["decode"])
         ours = inferno(args.model, prompts[2048], 32, t, [], warm)
         add("decode tok/s, depth 2048", ours["decode"], llama(b, args.model, t, 0, 32, 2048)["decode"])
         theirs = llama(b, args.model, t, 512, 0)
-        add("prefill 512 tok/s, exact", inferno(args.model, prompts[512], 1, t, [], warm)["prefill"],
-            theirs["prefill"])
+        exact = inferno(args.model, prompts[512], 1, t, [], warm)["prefill"]
+        add("prefill 512 tok/s, exact", exact, theirs["prefill"])
+        peak.append((exact, sgemm_peak.in_process(args.model, 512, t)))
         int8 = inferno(args.model, prompts[512], 1, t, ["--activations", "int8"], warm)
         add("prefill 512 tok/s, --activations int8", int8["prefill"], theirs["prefill"])
         first = dict(os.environ, INFERNO_CACHE_DIR=str(work / f"empty-{time.monotonic_ns()}"))
@@ -100,6 +104,10 @@ def main() -> None:
     for name, pairs in rows.items():
         ours, theirs = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
         print(f"{name:42} {ours:9.1f} {theirs:10.1f} {ours / theirs:6.2f}x")
+    fraction = statistics.median(exact / sgemm["tok_s"] for exact, sgemm in peak)
+    gflop_s = statistics.median(sgemm["gflop_s"] for _, sgemm in peak)
+    print(f"exact prefill of 512: {fraction:.0%} of the float32 peak (a plain sgemm of its weight products: "
+          f"{gflop_s:.0f} GFLOP/s)")
 
 
 if __name__ == "__main__":
