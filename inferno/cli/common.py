@@ -428,15 +428,18 @@ def read_template(path: str) -> str:
     return read_text_file("--chat-template", path, MAX_TEMPLATE_BYTES, "a template")
 
 
-def read_text_file(flag: str, path: str, limit: int, what: str = "it", encoding: str = "utf-8") -> str:
+def read_text_file(
+    flag: str, path: str, limit: int, what: str = "it", encoding: str = "utf-8", or_else: str = ""
+) -> str:
     """The UTF-8 text of the file a flag names, at most `limit` bytes. A FIFO, device, socket or
     directory is refused before it is opened (a FIFO nobody writes to blocks the open forever,
-    /dev/zero never ends), a larger file before it is read."""
+    /dev/zero never ends), a larger file before it is read. or_else: what else the flag takes, said
+    when a special file is refused."""
     from inferno.arguments import special_file
 
     special = special_file(path)
     if special is not None:
-        raise InfernoError(f"{flag} {path} is {special}: give a regular file")
+        raise InfernoError(f"{flag} {path} is {special}: give a regular file{or_else}")
     try:
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_size > limit:

@@ -22,6 +22,7 @@ from inferno.cli.common import (
     progress_on,
     quiet_option,
     read_template,
+    read_text_file,
     release_notes,
     require_stdout,
     run,
@@ -73,32 +74,21 @@ def read_prompt_file(path: str, limit: int = PROMPT_FILE_LIMIT) -> str:
     """The prompt in file `path`, or on standard input for `-`; it must be UTF-8 and at most `limit`
     bytes (read no further: /dev/zero is refused at once). A FIFO other than `-` is refused: one that
     nobody writes to would block the open forever."""
-    import stat
-
+    if path != "-":
+        return read_text_file("--prompt-file", path, limit, "a prompt", or_else=", or - with the pipe on "
+                              "standard input")
+    if sys.stdin is None:
+        raise InfernoError("--prompt-file -: standard input is closed")
     try:
-        if path == "-":
-            if sys.stdin is None:
-                raise InfernoError("--prompt-file -: standard input is closed")
-            data = sys.stdin.buffer.read(limit + 1)
-        else:
-            mode = os.stat(path).st_mode
-            if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
-                raise InfernoError(f"--prompt-file {path} is a FIFO or socket: give a regular file, or - "
-                                   "with the pipe on standard input")
-            if stat.S_ISDIR(mode):
-                raise InfernoError(f"--prompt-file {path} is a directory")
-            if stat.S_ISREG(mode) and os.path.getsize(path) > limit:
-                raise InfernoError(f"--prompt-file {path} is more than the {limit // 2**20} MiB a prompt "
-                                   "may be")
-            with open(path, "rb") as f:
-                data = f.read(limit + 1)
-        if len(data) > limit:
-            raise InfernoError(f"--prompt-file {path} is more than the {limit // 2**20} MiB a prompt may be")
-        return data.decode("utf-8")
+        data = sys.stdin.buffer.read(limit + 1)
     except OSError as exc:
-        raise InfernoError(f"cannot read --prompt-file {path}: {exc.strerror or exc}") from None
+        raise InfernoError(f"cannot read --prompt-file -: {exc.strerror or exc}") from None
+    if len(data) > limit:
+        raise InfernoError(f"--prompt-file - is more than the {limit // 2**20} MiB a prompt may be")
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise InfernoError(f"--prompt-file {path} is not UTF-8 text (byte {exc.start})") from None
+        raise InfernoError(f"--prompt-file - is not UTF-8 text (byte {exc.start})") from None
 
 
 def cache_options(window: int | None, sinks: int | None, positions: str | None) -> dict:
