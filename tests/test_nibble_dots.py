@@ -4,6 +4,7 @@ on the CPU's byte dot product and on the plain-IR path other CPUs take."""
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -13,6 +14,7 @@ from inferno.kernels.jit import njit
 from inferno.kernels.nibble_dots import (
     ACTIVATIONS,
     LANES,
+    PACKED,
     PART_BITS,
     PARTS,
     first_part_sums,
@@ -20,6 +22,7 @@ from inferno.kernels.nibble_dots import (
     quant_dots,
     split_activations,
 )
+from inferno.kernels.repack import TILE_BYTES, repack
 
 
 def activations(rng: np.random.Generator) -> np.ndarray:
@@ -155,3 +158,56 @@ def test_one_part_is_int8_rounding():
     step = np.abs(x.reshape(2, 32)).max(axis=1) / 127
     assert np.array_equal(scale, step.astype(np.float32))
     np.testing.assert_array_equal(parts[0], np.round(x / np.repeat(step, 32)).astype(np.int8))
+
+
+def packed_tile(qtype: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """One repacked tile of 64 rows of random blocks (every bit pattern of values, high bits, scales
+    and minimums), their f16 scales finite: uint8[blocks, tile bytes, 64 lanes]."""
+    block, type_size = gguf.GGML_QUANT_SIZES[Q(qtype)]
+    raw = rng.integers(0, 256, (64, cols // block, type_size), dtype=np.uint8)
+    for offset in (208,) if qtype == Q.Q6_K else (0, 2):  # d, and m or dmin (Q4_0, Q5_0: two qs bytes)
+        scale = rng.uniform(1e-4, 2e-2, raw.shape[:2]) * rng.choice([-1, 1], raw.shape[:2])
+        raw[..., offset : offset + 2] = scale.astype(np.float16)[..., None].view(np.uint8)
+    tiles = np.empty((1, cols // block, TILE_BYTES.get(qtype, type_size), 64), np.uint8)
+    repack(raw, tiles, qtype)
+    return tiles[0]
+
+
+def compile_tile_dots(qtype: int, n_parts: int):
+    """A fresh caller of every block and group of 16 lanes of a tile (see compile_dots)."""
+    @njit(cache=False)
+    def dots(w, parts, scale, sums, acc):
+        for b in range(scale.shape[1]):
+            for g in range(0, acc.shape[1], LANES):
+                quant_dots(w, b, g, parts, scale, sums, acc, qtype, n_parts)
+
+    return dots
+
+
+@pytest.mark.parametrize("n_parts", sorted(set(ACTIVATIONS.values())))
+@pytest.mark.parametrize("qtype", sorted(PACKED), ids=lambda t: Q(t).name)
+def test_both_instruction_paths_give_the_same_bits(monkeypatch, qtype, n_parts):
+    """Each packed type's dots (its repacked nibbles, high-bit planes, scales and minimums) on vpdpbusd
+    and in plain IR: the same integer sums, scaled by the same float operations, so the same bits."""
+    if not has_vnni():
+        pytest.skip("this CPU has no AVX512-VNNI")
+    rng = np.random.default_rng(qtype + 10 * n_parts)
+    cols = 512
+    tile = packed_tile(qtype, cols, rng)
+    x = np.stack([np.concatenate([activations(rng), activations(rng)]) for _ in range(3)])
+    parts = np.empty((3, n_parts, cols), np.int8)
+    scale, sums = np.empty((3, cols // 32), np.float32), np.empty((3, cols // 16), np.float32)
+    for i in range(3):
+        module.integer_activations(x[i], parts[i], scale[i], sums[i, : module.sums_size(qtype, cols // 32)],
+                                   qtype)
+    sums = np.ascontiguousarray(sums[:, : module.sums_size(qtype, cols // 32)])
+    results = []
+    for vnni in (True, False):
+        monkeypatch.setattr(module, "has_vnni", lambda vnni=vnni: vnni)
+        dots = compile_tile_dots(qtype, n_parts)
+        acc = np.zeros((3, 64), np.float32)
+        dots(tile, parts, scale, sums, acc)
+        assert ("vpdpbusd" in dots.inspect_asm(dots.signatures[0])) == vnni
+        results.append(acc)
+    assert np.isfinite(results[0]).all() and np.all(results[0] != 0)
+    assert np.array_equal(results[0].view(np.uint32), results[1].view(np.uint32))

@@ -17,10 +17,11 @@ from gguf import GGMLQuantizationType as Q
 from inferno.errors import InfernoError
 from inferno.kernels import nibble_dots
 from inferno.kernels.jit import njit
-from inferno.kernels.quant import SUPPORTED, WIDE_TILE_ROWS, QuantizedMatrix, tensor_to_float32
+from inferno.kernels.quant import FUSED, SUPPORTED, WIDE_TILE_ROWS, QuantizedMatrix, tensor_to_float32
 from inferno.kernels.quant_batch import batch_matmul
 
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+PACKED_TYPES = tuple(Q(t) for t in nibble_dots.PACKED)  # every type with integer dots
 
 
 def make_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -198,12 +199,12 @@ def test_stacked_weights_compute_like_separate_ones(tmp_path):
 
 def test_int8_activations_round_like_llama_cpp_and_leave_other_types_alone(tmp_path):
     """activations = "int8": the products of the packed types and Q8_0 take x rounded to one int8 per
-    value (an error under half a step, max|x|/127 of the block, times the weights), the others stay
-    float32; a name outside ACTIVATIONS is refused."""
+    value (an error under half a step, max|x|/127 of the block, times the weights), the others (F16)
+    stay float32; a name outside ACTIVATIONS is refused."""
     rng = np.random.default_rng(5)
     cols = 256
     x = rng.standard_normal(cols).astype(np.float32)
-    for qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q5_K):
+    for qtype in (*PACKED_TYPES, Q.Q8_0, Q.F16):
         blocks = make_blocks(qtype, 70, cols, rng)
         tensor = write_gguf(tmp_path / f"{qtype.name}.gguf", {"w": (qtype, blocks)})["w"]
         m = QuantizedMatrix.from_tensor(tensor)
@@ -212,7 +213,7 @@ def test_int8_activations_round_like_llama_cpp_and_leave_other_types_alone(tmp_p
         rounded = m.matvec(x)
         w = reference(tensor).astype(np.float64)
         bound = np.abs(w) @ np.repeat(np.abs(x.reshape(-1, 32)).max(axis=1), 32) / 254
-        if qtype == Q.Q5_K:
+        if qtype == Q.F16:
             assert np.array_equal(rounded, exact)
         else:
             assert not np.array_equal(rounded, exact)
@@ -223,7 +224,7 @@ def test_int8_activations_round_like_llama_cpp_and_leave_other_types_alone(tmp_p
 
 @pytest.mark.parametrize("n_parts", [1, 4])
 @pytest.mark.parametrize("vnni", [True, False], ids=["vpdpbusd", "plain-ir"])
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda t: t.name)
 def test_packed_dots_of_every_type_on_both_instruction_paths(tmp_path, monkeypatch, qtype, vnni, n_parts):
     """The integer dots of each packed type (repacked tiles, their high-bit planes and sub-block scales),
     generated afresh with and without vpdpbusd: 16 rows of a real tile against two activation rows
@@ -265,7 +266,14 @@ def test_packed_dots_of_every_type_on_both_instruction_paths(tmp_path, monkeypat
     assert ("vpdpbusd" in dots.inspect_asm(dots.signatures[0])) == vnni
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_every_quantized_type_is_fused():
+    """The block types take fused dots (integer ones for the packed types); only the float types'
+    matvec dequantizes a tile at a time."""
+    assert set(FUSED) == set(SUPPORTED) - {Q.F32, Q.F16, Q.BF16}
+    assert set(PACKED_TYPES) == set(FUSED) - {Q.Q8_0}
+
+
+@pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda t: t.name)
 def test_batch_matmul_of_packed_types_is_the_matvec_of_each_row(tmp_path, qtype):
     """A few rows at once (batched decode, short prompts) run each row's own integer dots: bit-identical
     to one matvec per row, with either activations."""

@@ -43,30 +43,10 @@ def f16(w, b, p, r):
 
 
 @njit(cache=True)
-def _lo(v):
-    return np.int32(v & 15)
-
-
-@njit(cache=True)
-def _hi(v):
-    return np.int32(v >> 4)
-
-
-@njit(cache=True)
 def zero(a):
     # an explicit loop: slice assignment (a[:] = 0) makes Numba compile extra helpers, slowing cold start
     for i in range(a.size):
         a[i] = 0
-
-
-@njit(cache=True)
-def _scale_min_k4(w, b, j, r):
-    """6-bit scale and min of sub-block j of a Q4_K/Q5_K block (12 packed bytes from byte 4)."""
-    if j < 4:
-        return np.float32(w[b, 4 + j, r] & 63), np.float32(w[b, 8 + j, r] & 63)
-    sc = (w[b, 8 + j, r] & 15) | ((w[b, j, r] >> 6) << 4)
-    m = (w[b, 8 + j, r] >> 4) | ((w[b, 4 + j, r] >> 6) << 4)
-    return np.float32(sc), np.float32(m)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -131,7 +111,7 @@ def _deq_packed(w, r0, r1, out, qtype, per, quads, stride, high_bits, planes):
                         d = f16(w, b, 0, r)
                         for half in range(2):
                             e = 32 * (per * b + j) + 16 * half + 4 * k
-                            if qtype == Q4_K:
+                            if qtype in (Q4_K, Q5_K):
                                 dl = d * np.float32(w[b, 4 + j, r])
                                 ml = f16(w, b, 2, r) * np.float32(w[b, 12 + j, r])
                             elif qtype == Q6_K:
@@ -141,11 +121,11 @@ def _deq_packed(w, r0, r1, out, qtype, per, quads, stride, high_bits, planes):
                                                   high_bits, k, q, c, i, half)
                                 if qtype == Q4_0:
                                     out[e + i, r - r0] = d * np.float32(v - 8)
-                                elif qtype == Q4_1:
+                                elif qtype in (Q4_1, Q5_1):
                                     out[e + i, r - r0] = d * np.float32(v) + f16(w, b, 2, r)
                                 elif qtype == Q5_0:
                                     out[e + i, r - r0] = d * np.float32(v - 16)
-                                elif qtype == Q4_K:
+                                elif qtype in (Q4_K, Q5_K):
                                     out[e + i, r - r0] = dl * np.float32(v) - ml
                                 else:
                                     out[e + i, r - r0] = dl * np.float32(v - 32)
@@ -163,49 +143,8 @@ def _packed_dequantizer(qtype: int):
     return dequantize
 
 
-@njit(cache=True)
-def _q5(w, b, qh, qs, j, r):
-    """5-bit value j of a Q5_0/Q5_1 block: 4 low bits from the nibbles at byte qs, the 5th from the
-    little-endian 32-bit mask at byte qh."""
-    v = w[b, qs + (j & 15), r]
-    low = _lo(v) if j < 16 else _hi(v)
-    return low | np.int32(((w[b, qh + (j >> 3), r] >> (j & 7)) & 1) << 4)
-
-
-@njit(cache=True)
-def _deq_q5_1(w, r0, r1, out):
-    for b in range(w.shape[0]):
-        for j in range(32):
-            for r in range(r0, r1):
-                d, m = f16(w, b, 0, r), f16(w, b, 2, r)
-                out[32 * b + j, r - r0] = d * np.float32(_q5(w, b, 4, 8, j, r)) + m
-
-
-@njit(cache=True)
-def _deq_k4(w, r0, r1, out, qs, qh):
-    """Q5_K: sub-block j of 32 is dl*q - ml. The 4 low bits of sub-blocks 2c, 2c+1
-    are the low/high nibbles of bytes qs+32c..+31; Q5_K's 5th bit of element i of sub-block j is bit j
-    of byte qh+i."""
-    for b in range(w.shape[0]):
-        for j in range(8):
-            for i in range(32):
-                for r in range(r0, r1):
-                    sc, m = _scale_min_k4(w, b, j, r)
-                    dl, ml = f16(w, b, 0, r) * sc, f16(w, b, 2, r) * m
-                    v = w[b, qs + 32 * (j >> 1) + i, r]
-                    q = _lo(v) if j % 2 == 0 else _hi(v)
-                    if qh >= 0:
-                        q |= np.int32(((w[b, qh + i, r] >> j) & 1) << 4)
-                    out[256 * b + 32 * j + i, r - r0] = dl * np.float32(q) - ml
-
-
-@njit(cache=True)
-def _deq_q5_k(w, r0, r1, out):
-    _deq_k4(w, r0, r1, out, 48, 16)
-
-
-DEQUANTIZE = {F32: _deq_f32, F16: _deq_f16, BF16: _deq_bf16, Q8_0: _deq_q8_0, Q5_1: _deq_q5_1,
-              Q5_K: _deq_q5_k} | {qtype: _packed_dequantizer(qtype) for qtype in PACKED}
+DEQUANTIZE = {F32: _deq_f32, F16: _deq_f16, BF16: _deq_bf16, Q8_0: _deq_q8_0} | {
+    qtype: _packed_dequantizer(qtype) for qtype in PACKED}
 
 
 def dequantize_tile(qtype, w, r0, r1, out):

@@ -1,6 +1,6 @@
 """Dot products of 4-bit weights with float32 activations in integer arithmetic, exact to float32's
-own rounding: the inner loop of the Q4_0 and Q4_1 matrix-vector products (and of Q8_0's when the
-activations are rounded to int8, `--activations int8`).
+own rounding: the inner loop of the matrix-vector products of the packed types (PACKED: the 4-, 5- and
+6-bit ones; and of Q8_0's when the activations are rounded to int8, `--activations int8`).
 
 Why integers. In float, every nibble is widened and converted before its multiply-add; the CPU's byte
 dot product (AVX512-VNNI's vpdpbusd: 64 unsigned bytes times 64 signed bytes, each group of four
@@ -19,7 +19,8 @@ block's largest weight.
 
 Per block and row, S_i = sum(q * a_i) over the 32 nibbles q are exact int32 sums (|S_i| <= 32 * 15
 * 127 = 60,960), and so are S0 * 2^7 + S1 and S2 * 2^7 + S3 (under 2^23, exact in float32 too): the
-block's dot is s / 2^21 times (S0 * 2^7 + S1) * 2^14 + (S2 * 2^7 + S3), rounded once.
+block's dot is s / 2^21 times (S0 * 2^7 + S1) * 2^14 + (S2 * 2^7 + S3), rounded once. With 5-bit values
+(q <= 31) they stay under 2^24, as do Q6_K's, summed 16 values at a time.
 
 The weights. vpdpbusd takes four consecutive bytes of a row from one 32-bit lane, so tiles hold each
 row's 16 nibble bytes as four 4-byte words: the quads of `inferno.kernels.quant`'s Layout. Byte i of quad k
@@ -48,7 +49,7 @@ from numba.core import cgutils
 from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
 
-from inferno.kernels.ggml import Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0
+from inferno.kernels.ggml import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from inferno.kernels.jit import njit  # first: the target is set before any kernel is defined
 from inferno.kernels.llvm_ir import constant, declared, pointer, splat
 
@@ -133,8 +134,9 @@ class Packing(NamedTuple):
     Each sub-block of 32 values keeps its low four bits as nibble quads: 16 bytes, byte i of quad k
     holding values 4k + i (low nibble) and 16 + 4k + i (high nibble), as four 4-byte words per row.
     Bits above the nibble lie in planes of the same shape: one 4-byte word per row, byte i of plane
-    word p holding, for Q5_0, bit m of value 4m + i (m < 4) or 16 + 4(m - 4) + i (m >= 4), and for
-    Q6_K, bits 2k..2k+1 of value 4k + i (word 0) or 16 + 4k + i (word 1)."""
+    word p holding, for the 5-bit types (Q5_0, Q5_1, Q5_K), bit m of value 4m + i (m < 4) or
+    16 + 4(m - 4) + i (m >= 4), and for Q6_K, bits 2k..2k+1 of value 4k + i (word 0) or 16 + 4k + i
+    (word 1)."""
 
     sub_blocks: int  # blocks of 32 values per block of the tile
     quads: int  # byte row of the first sub-block's nibble quads
@@ -144,14 +146,18 @@ class Packing(NamedTuple):
 
 
 # The types whose matvec takes integer dots of packed values. Q4_0 and Q4_1 keep the file's bytes,
-# their nibbles reordered; the others are repacked at load (inferno.quant), to the file's size (Q4_K:
-# 148 bytes for 144, its 6-bit scales and minimums unpacked to a byte each at rows 4-11 and 12-19;
-# Q6_K: d, then its 16 int8 scales at rows 2-17, then eight sub-blocks of quads and two plane words).
+# their nibbles reordered; the others are repacked at load (inferno.quant), to the file's size (Q5_0,
+# Q5_1: d (and m), a plane word, the quads; Q6_K: d, then its 16 int8 scales at rows 2-17, then eight
+# sub-blocks of quads and two plane words) or a little more (Q4_K: 148 bytes for 144, its 6-bit scales
+# and minimums unpacked to a byte each at rows 4-11 and 12-19; Q5_K: 180 for 176, Q4_K's rows 0-19 then
+# eight sub-blocks of quads and one plane word).
 PACKED = {
     Q4_0: Packing(1, 2, 16, 0, 0),
     Q4_1: Packing(1, 4, 16, 0, 0),
     Q5_0: Packing(1, 6, 16, 1, 2),
+    Q5_1: Packing(1, 8, 16, 1, 4),
     Q4_K: Packing(8, 20, 16, 0, 0),
+    Q5_K: Packing(8, 20, 20, 1, 36),
     Q6_K: Packing(8, 18, 24, 2, 34),
 }
 
@@ -196,9 +202,10 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, qtype, n_parts):
     The packed types (n_parts 1 or 4): d_l * scale[i, b] * D_il + m_l * sums[i, b], with D_il the
     combined dot, (S0 * 2^7 + S1) * 2^14 + S2 * 2^7 + S3 for four parts or S0 for one (S_p: value *
     part p over the block's 32 values), d_l and m_l the row's scale and minimum (Q4_0: m = -8 d;
-    Q5_0: -16 d; Q4_K: d * scale_j and -dmin * min_j of sub-block j) and sums[i, b] the block's sum
-    of x_i. Q6_K's scales change every 16 values: it sums each half on its own, d_l * scale[i, b] *
-    (sc_0 D_0 + sc_1 D_1) - 32 d_l (sc_0 sums[i, 2b] + sc_1 sums[i, 2b + 1]), its sums per 16 values.
+    Q5_0: -16 d; Q4_1, Q5_1: the block's m; Q4_K, Q5_K: d * scale_j and -dmin * min_j of sub-block
+    j) and sums[i, b] the block's sum of x_i. Q6_K's scales change every 16 values: it sums each half
+    on its own, d_l * scale[i, b] * (sc_0 D_0 + sc_1 D_1) - 32 d_l (sc_0 sums[i, 2b] + sc_1 sums[i,
+    2b + 1]), its sums per 16 values.
     Q8_0 (n_parts 1): d_l * scale[i, b] * (S'_il - 128 * sums[i, b]), with S' summing (byte + 128) *
     part 0, the unsigned operand vpdpbusd needs, and sums[i, b] the block's sum of part 0. Its tiles
     keep each value's bytes side by side across lanes; a shuffle makes the 4-byte quads.
@@ -284,13 +291,13 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, qtype, n_parts):
                     _INT, [16 * v + lane for lane in range(LANES) for v in range(4)]))
                 weights.append((builder.bitcast(builder.add(quad, offset), ints), 4 * k))
         else:
-            if qtype_ == Q4_K:
+            if qtype_ in (Q4_K, Q5_K):
                 m = builder.fneg(builder.fmul(half_lanes(2), byte_lanes(builder.add(const(12), sub))))
                 d = builder.fmul(d, byte_lanes(builder.add(const(4), sub)))
             elif qtype_ == Q6_K:  # the two halves' int8 scales, at rows 2 + 2j and 3 + 2j
                 half_sums_scale = [byte_lanes(builder.add(const(2 + h), builder.mul(sub, const(2))), True)
                                    for h in range(2)]
-            elif qtype_ == Q4_1:
+            elif qtype_ in (Q4_1, Q5_1):
                 m = half_lanes(2)
             else:  # Q4_0, Q5_0: q - 8, q - 16
                 m = builder.fmul(d, ir.Constant(floats, [-8.0 if packing.high_bits == 0 else -16.0] * LANES))
@@ -303,7 +310,7 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, qtype, n_parts):
                 quad = words(row_of(packing.quads, 4 * k))
                 nibbles = (builder.and_(quad, byte_splat(15)), builder.lshr(quad, byte_splat(4)))
                 for half, value in enumerate(nibbles):
-                    if packing.high_bits:  # Q5_0: bit k + 4 half of the plane; Q6_K: bits 2k.. of plane half
+                    if packing.high_bits:  # 5-bit: bit k + 4 half of the plane; Q6_K: bits 2k.. of plane half
                         one = packing.high_bits == 1
                         plane, bit = (planes[0], k + 4 * half) if one else (planes[half], 2 * k)
                         mask = (1 << packing.high_bits) - 1

@@ -12,8 +12,9 @@ tensor.
 Arithmetic. Dequantization repeats gguf-py's float32 operations in the same order (no fast-math, so no
 fused multiply-adds) and is bit-identical to `gguf.quants.dequantize`. The matrix-vector kernels
 regroup the sums: for Q4_1, dot(x, d*q + m) over a block is d*sum(x*q) + m*sum(x), with the block
-sums of x computed once per call; the 4-bit types take sum(x*q) in integers, from x split into int8
-parts once per call (inferno.kernels.nibble_dots; Q8_0 too when x is rounded to int8), the others in float32.
+sums of x computed once per call; the packed types (4, 5 and 6 bits) take sum(x*q) in integers, from
+x split into int8 parts once per call (inferno.kernels.nibble_dots; Q8_0 too when x is rounded to
+int8), the others in float32.
 
 Compilation. Kernels are built per GGML type on first use (see `_kernels`) and cached on disk by Numba.
 """
@@ -36,7 +37,7 @@ from numba.extending import overload
 
 from inferno.errors import InfernoError
 from inferno.kernels.dequant import DEQUANTIZE, dequantize_tile, f16, zero
-from inferno.kernels.ggml import Q4_K, Q6_K, Q8_0
+from inferno.kernels.ggml import Q4_K, Q5_K, Q6_K, Q8_0
 from inferno.kernels.jit import njit
 from inferno.kernels.llvm_ir import prefetch_ahead
 from inferno.kernels.nibble_dots import ACTIVATIONS, PACKED, integer_activations, quant_dots, sums_size
@@ -53,14 +54,14 @@ Allocate = Callable[[tuple[int, ...], type], np.ndarray]  # numpy.empty's signat
 SUPPORTED = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0,
              QType.Q5_1, QType.Q4_K, QType.Q5_K, QType.Q6_K)
 # Types whose matvec computes from the blocks; the others dequantize a tile at a time and take dots.
-FUSED = (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q4_K, QType.Q6_K)
+FUSED = (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q4_K, QType.Q5_K, QType.Q6_K)
 
 K_SUB_BLOCKS = PACKED[Q4_K].sub_blocks
 
 
 def integer_parts(qtype: int, activations: str) -> int:
     """How many int8 parts a matvec of this type splits x into under `activations` (see
-    nibble_dots.ACTIVATIONS); 0: it multiplies in float32. The 4-bit types always take integers (four
+    nibble_dots.ACTIVATIONS); 0: it multiplies in float32. The packed types always take integers (four
     parts keep float32's precision); Q8_0 only with one part ("int8"), where they pay."""
     parts = ACTIVATIONS[activations]
     return parts if qtype in PACKED or (qtype == Q8_0 and parts == 1) else 0
@@ -126,7 +127,7 @@ class QuantizedMatrix:
     @property
     def activations(self) -> str:
         """How matvec takes x (a name in nibble_dots.ACTIVATIONS): "f32", float32's precision, the
-        default; "int8", one int8 part per value (the 4-bit types and Q8_0; the others stay float32)."""
+        default; "int8", one int8 part per value (the packed types and Q8_0; the others stay float32)."""
         return self._activations
 
     @activations.setter
@@ -323,7 +324,7 @@ def _dot_integer(w, parts, scale, sums, acc, qtype, n_parts):
     """acc[i, lane] += row lane of tile w . x_i for each row i of x, from x_i's n_parts int8 parts, each
     block's scale and its sums (inferno.kernels.nibble_dots.quant_dots): parts [rows, n_parts, cols], scale
     and sums [rows, blocks]; qtype and n_parts compile-time constants."""
-    per = K_SUB_BLOCKS if qtype in (Q4_K, Q6_K) else 1  # blocks of 32 values per block of the tile
+    per = K_SUB_BLOCKS if qtype in (Q4_K, Q5_K, Q6_K) else 1  # blocks of 32 values per block of the tile
     for b in range(scale.shape[1]):  # blocks of 32 values
         if b % per == 0:
             prefetch_ahead(w, b // per)

@@ -3,10 +3,10 @@ matrix product of batched decoding (B sequences, one token each).
 
 One matvec per row reads every weight B times from memory; BLAS first dequantizes the whole weight to
 float32. Here each thread takes a run of tiles (the layout of `inferno.kernels.quant`) and reads each weight
-byte from memory once per step whatever B is: Q4_0 and Q4_1 through the integer dots of the
-single-row kernel, one row after another while the tile is in cache (so every row's result is
-bit-identical to its matvec); Q8_0 straight from the blocks four rows at a time; the other types
-through a scratch in L1 holding a few dequantized blocks of one tile.
+byte from memory once per step whatever B is: the packed types (nibble_dots.PACKED) through the
+integer dots of the single-row kernel, one row after another while the tile is in cache (so every
+row's result is bit-identical to its matvec); Q8_0 straight from the blocks four rows at a time; the
+other types through a scratch in L1 holding a few dequantized blocks of one tile.
 
 BLAS on dequantized chunks (`QuantizedMatrix.matmul`) does not pay below 16 rows: dequantizing the
 whole weight costs more than the product saves (the measurements are in docs/LOG.md)."""
@@ -193,12 +193,12 @@ def _q8_0_kernel() -> Callable:
 def _integer_kernel(qtype: int, n_parts: int) -> Callable:
     @njit(cache=True, parallel=True, fastmath=True)
     def matmul_rows(tiles, x, out, nchunks):
-        """Q4_0, Q4_1, Q4_K (or Q8_0 with one part): each row of x split into int8 parts once, then, tile by
-        tile and block by block, the integer dots of inferno.kernels.quant for one row after another (the
-        block stays in cache after the first row)."""
+        """The packed types (or Q8_0 with one part): each row of x split into int8 parts once, then, tile
+        by tile and block by block, the integer dots of inferno.kernels.quant for one row after another
+        (the block stays in cache after the first row)."""
         ntiles, lanes = tiles.shape[0], tiles.shape[3]
         n_rows, cols = x.shape
-        nblocks = cols // 32  # blocks of x's values (a Q4_K block of the tiles holds eight)
+        nblocks = cols // 32  # blocks of x's values (a K-quant block of the tiles holds eight)
         parts = np.empty((n_rows, n_parts, cols), np.int8)
         scale = np.empty((n_rows, nblocks), np.float32)
         xs = np.empty((n_rows, sums_size(qtype, nblocks)), np.float32)

@@ -9,14 +9,15 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from inferno.kernels.ggml import Q4_0, Q4_1, Q4_K, Q5_0, Q6_K
+from inferno.kernels.ggml import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K
 from inferno.kernels.jit import njit
 from inferno.kernels.nibble_dots import PACKED
 
-# Repacked blocks are this many bytes (the others as many as the file's): Q4_K's 6-bit scales and
-# minimums take a byte each.
-TILE_BYTES = {Q4_K: 148}
+# Repacked blocks are this many bytes (the others as many as the file's): Q4_K's and Q5_K's 6-bit
+# scales and minimums take a byte each.
+TILE_BYTES = {Q4_K: 148, Q5_K: 180}
 _QS_Q4_0, _QS_Q4_1 = PACKED[Q4_0].quads, PACKED[Q4_1].quads
+_PLANES_Q5_0, _PLANES_Q5_1 = PACKED[Q5_0].planes, PACKED[Q5_1].planes
 
 
 @njit(cache=True, parallel=True)
@@ -34,10 +35,10 @@ def repack(raw, tiles, qtype):
                 at = (lane * 4 // lanes, lane * 4 % lanes)  # where the lane's words start (see _put)
                 if qtype in (Q4_0, Q4_1):
                     _q4(src, dst, lane, at, _QS_Q4_1 if qtype == Q4_1 else _QS_Q4_0)
-                elif qtype == Q5_0:
-                    _q5_0(src, dst, lane, at)
-                elif qtype == Q4_K:
-                    _q4_k(src, dst, lane, at)
+                elif qtype in (Q5_0, Q5_1):
+                    _q5(src, dst, lane, at, _PLANES_Q5_1 if qtype == Q5_1 else _PLANES_Q5_0)
+                elif qtype in (Q4_K, Q5_K):
+                    _q4_k(src, dst, lane, at, qtype == Q5_K)
                 elif qtype == Q6_K:
                     _q6_k(src, dst, lane, at)
                 else:
@@ -71,25 +72,35 @@ def _q4(src, dst, lane, at, qs):
         _put(dst, qs, t // 4, t % 4, at, src[qs + t])
 
 
-@njit(cache=True)
-def _q5_0(src, dst, lane, at):
-    """d, then the 5th bits as one plane word (byte i: bit m of value 4m + i, or 16 + 4(m - 4) + i),
-    then the nibble quads."""
-    dst[0, lane], dst[1, lane] = src[0], src[1]
+@njit(cache=True, inline="always")
+def _fifth_bits(dst, row, at, src, first, per_byte, shift):
+    """A sub-block's 5th bits as one plane word (byte i: bit m of value 4m + i, or 16 + 4(m - 4) + i),
+    that of value v being bit shift + v % per_byte of src[first + v // per_byte] (Q5_0, Q5_1: eight
+    values a byte; Q5_K: one, bit j for sub-block j)."""
     for i in range(4):
         plane = 0
         for m in range(8):
             v = 4 * m + i if m < 4 else 16 + 4 * (m - 4) + i
-            plane |= ((src[2 + v // 8] >> (v % 8)) & 1) << m
-        _put(dst, 2, 0, i, at, np.uint8(plane))
-    for t in range(16):
-        _put(dst, 6, t // 4, t % 4, at, src[6 + t])
+            plane |= ((src[first + v // per_byte] >> (shift + v % per_byte)) & 1) << m
+        _put(dst, row, 0, i, at, np.uint8(plane))
 
 
 @njit(cache=True)
-def _q4_k(src, dst, lane, at):
+def _q5(src, dst, lane, at, planes):
+    """Q5_0 (planes = 2), Q5_1 (planes = 4): d (and m), then the 5th bits as one plane word, then the
+    nibble quads; the file's qh sits where the plane goes, its qs where the quads go."""
+    for p in range(planes):
+        dst[p, lane] = src[p]
+    _fifth_bits(dst, planes, at, src, planes, 8, 0)
+    for t in range(16):
+        _put(dst, planes + 4, t // 4, t % 4, at, src[planes + 4 + t])
+
+
+@njit(cache=True)
+def _q4_k(src, dst, lane, at, fifth):
     """d and dmin, the eight 6-bit scales (bytes 4-11) and minimums (12-19) a byte each, then each
-    sub-block of 32 values as nibble quads (rows 20 + 16j)."""
+    sub-block of 32 values as nibble quads (Q4_K: rows 20 + 16j), and with `fifth` (Q5_K, its nibbles
+    after the 32 bytes of qh) as nibble quads and a plane word of its 5th bits (rows 20 + 20j, 36 + 20j)."""
     for p in range(4):
         dst[p, lane] = src[p]
     s = src[4:16]
@@ -99,7 +110,11 @@ def _q4_k(src, dst, lane, at):
         dst[8 + j, lane] = (s[8 + j] & 15) | ((s[j] >> 6) << 4)
         dst[16 + j, lane] = (s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4)
     for j in range(8):  # sub-blocks 2c and 2c + 1 are the low and high nibbles of bytes 32c..
-        _nibble_quads(dst, 20 + 16 * j, at, src, 16 + 32 * (j // 2), 4 * (j % 2))
+        if fifth:  # bit j of qh[v] (bytes 16-47) is the 5th bit of value v of sub-block j
+            _nibble_quads(dst, 20 + 20 * j, at, src, 48 + 32 * (j // 2), 4 * (j % 2))
+            _fifth_bits(dst, 36 + 20 * j, at, src, 16, 1, j)
+        else:
+            _nibble_quads(dst, 20 + 16 * j, at, src, 16 + 32 * (j // 2), 4 * (j % 2))
 
 
 @njit(cache=True)
