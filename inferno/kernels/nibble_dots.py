@@ -1,6 +1,6 @@
-"""Dot products of 4-bit weights with float32 activations in integer arithmetic, exact to float32's
-own rounding: the inner loop of the matrix-vector products of the packed types (PACKED: the 4-, 5- and
-6-bit ones; and of Q8_0's when the activations are rounded to int8, `--activations int8`).
+"""Dot products of 4-, 5- and 6-bit weights with float32 activations in integer arithmetic, exact to
+float32's own rounding: the inner loop of the matrix-vector products of the packed types (PACKED; and
+of Q8_0's when the activations are rounded to int8, `--activations int8`).
 
 Why integers. In float, every nibble is widened and converted before its multiply-add; the CPU's byte
 dot product (AVX512-VNNI's vpdpbusd: 64 unsigned bytes times 64 signed bytes, each group of four
