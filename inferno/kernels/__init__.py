@@ -11,7 +11,7 @@ parallel only where a call has enough work to wake a thread pool.
 - ops: RMSNorm, RoPE, softmax, the MLP's gating.
 - attention: decode's parallel spans, prefill's blocks through BLAS, a sliding window.
 - quant: weights kept in their GGUF block types; matvec on the blocks, BLAS on dequantized chunks.
-- nibble_dots: integer dots of the 4-bit types (and Q8_0) on AVX512-VNNI.
+- nibble_dots: integer dots of the 4-, 5- and 6-bit types (and Q8_0) on AVX512-VNNI.
 - quant_batch: a few activation rows against a quantized weight, the weight read once for all.
 """
 
