@@ -15,7 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from inferno.errors import InfernoError
-from inferno.kernels import nibble_dots
+from inferno.kernels import nibble_dots, quant
 from inferno.kernels.jit import njit
 from inferno.kernels.quant import FUSED, SUPPORTED, WIDE_TILE_ROWS, QuantizedMatrix, tensor_to_float32
 from inferno.kernels.quant_batch import batch_matmul
@@ -113,6 +113,25 @@ def test_matvec_is_the_same_on_any_thread_count(tmp_path):
         assert np.array_equal(bits(m.matvec(x)), bits(one))
     finally:
         numba.set_num_threads(before)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 1 << 20, 64 << 20], ids=["tile-chunks", "uneven", "one-chunk"])
+def test_matmul_splits_its_chunks_over_threads_without_changing_a_value(tmp_path, monkeypatch, chunk_bytes):
+    rng = np.random.default_rng(2)
+    rows, cols = 7 * WIDE_TILE_ROWS + 5, 512  # 8 tiles, the last one padded: spans of unequal sizes
+    tensor = write_gguf(tmp_path / "w.gguf", {"w": (Q.Q4_K, make_blocks(Q.Q4_K, rows, cols, rng))})["w"]
+    m = QuantizedMatrix.from_tensor(tensor)
+    x = rng.standard_normal((40, cols)).astype(np.float32)
+    monkeypatch.setattr(quant, "MATMUL_CHUNK_BYTES", chunk_bytes)
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = m.matmul(x)
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        np.testing.assert_allclose(m.matmul(x), one, rtol=1e-6, atol=1e-6)
+    finally:
+        numba.set_num_threads(before)
+    assert_close(one, reference(tensor), x)
 
 
 def test_tensor_to_float32(tmp_path):

@@ -25,7 +25,9 @@ import contextlib
 import functools
 import mmap
 import os
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import gguf
@@ -34,6 +36,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 from numba import prange
 from numba.extending import overload
+from threadpoolctl import ThreadpoolController
 
 from inferno.errors import InfernoError
 from inferno.kernels.dequant import DEQUANTIZE, dequantize_tile, f16, zero
@@ -66,7 +69,9 @@ def integer_parts(qtype: int, activations: str) -> int:
     parts = ACTIVATIONS[activations]
     return parts if qtype in PACKED or (qtype == Q8_0 and parts == 1) else 0
 
-_matmul_scratch = np.empty(0, np.float32)  # grown on demand, shared by all matrices
+_thread_scratch = threading.local()  # each thread's matmul scratch, grown on demand
+_helpers: ThreadPoolExecutor | None = None  # the threads beside the caller's that share a matmul's chunks
+_blas: ThreadpoolController | None = None
 
 
 def uses_blas(n_rows: int) -> bool:
@@ -167,9 +172,8 @@ class QuantizedMatrix:
 
     def matmul(self, x: np.ndarray, part: int | None = None) -> np.ndarray:
         """x @ W.T: float32[n, cols] -> float32[n, rows], for prefill; with `part`, only the rows of
-        that stacked weight (see from_tensors). Dequantizes a chunk of tiles at a time, in parallel,
-        into a shared scratch holding W.T's columns, and hands it to BLAS."""
-        global _matmul_scratch
+        that stacked weight (see from_tensors). Dequantizes a chunk of tiles at a time into a scratch
+        holding W.T's columns, and hands it to BLAS; each thread takes its own chunks (`_in_threads`)."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         if x.ndim != 2 or x.shape[1] != self.cols:
             raise ValueError(f"{self.name}: matmul needs x of shape (n, {self.cols}), got {x.shape}")
@@ -184,15 +188,22 @@ class QuantizedMatrix:
             return out
         lanes = self._tiles.shape[3]
         tiles = self._tiles[start // lanes : (start + rows + lanes - 1) // lanes]
-        step = min(len(tiles), max(1, MATMUL_CHUNK_BYTES // (4 * self.cols * lanes)))  # tiles per chunk
-        if _matmul_scratch.size < step * lanes * self.cols:
-            _matmul_scratch = np.empty(step * lanes * self.cols, np.float32)
-        for first in range(0, len(tiles), step):
-            n = min(step, len(tiles) - first)
-            w_t = _matmul_scratch[: self.cols * n * lanes].reshape(self.cols, n * lanes)
-            self._kernels.dequantize_transposed(tiles[first : first + n], w_t, numba.config.NUMBA_NUM_THREADS)
-            m = min(n * lanes, rows - first * lanes)  # the last tile's padding rows are dropped
-            np.matmul(x, w_t[:, :m], out=out[:, first * lanes : first * lanes + m])
+        tile_bytes = 4 * self.cols * lanes  # of a dequantized tile
+
+        def multiply(lo: int, hi: int) -> None:
+            """Tiles lo..hi, a chunk of at most MATMUL_CHUNK_BYTES at a time: dequantized, then handed to
+            BLAS, in this thread (both release Python's lock)."""
+            chunks = -(-(hi - lo) * tile_bytes // MATMUL_CHUNK_BYTES)
+            step = -(-(hi - lo) // chunks)  # tiles per chunk: equal chunks
+            w_t, scratch = _matmul_scratch(self.cols * step * lanes, self.cols, lanes)
+            for first in range(lo, hi, step):
+                n = min(step, hi - first)
+                chunk = w_t[: self.cols * n * lanes].reshape(self.cols, n * lanes)
+                self._kernels.dequantize_transposed(tiles[first : first + n], chunk, scratch)
+                m = min(n * lanes, rows - first * lanes)  # the last tile's padding rows are dropped
+                np.matmul(x, chunk[:, :m], out=out[:, first * lanes : first * lanes + m])
+
+        _in_threads(multiply, len(tiles))
         return out
 
     def dequantize(self) -> np.ndarray:
@@ -207,6 +218,34 @@ class QuantizedMatrix:
         out = np.empty((ids.size, self.cols), np.float32)
         self._kernels.dequantize_rows(self._tiles, ids, out)
         return out
+
+
+def _matmul_scratch(chunk: int, cols: int, lanes: int) -> tuple[np.ndarray, np.ndarray]:
+    """This thread's float32 scratch: `chunk` values for W.T's columns, and [cols, lanes] for a tile."""
+    have = getattr(_thread_scratch, "arrays", None)
+    if have is None or have[0].size < chunk or have[1].size < cols * lanes:
+        tile = max(cols * lanes, have[1].size if have else 0)
+        _thread_scratch.arrays = have = (np.empty(chunk, np.float32), np.empty(tile, np.float32))
+    return have[0], have[1][: cols * lanes].reshape(cols, lanes)
+
+
+def _in_threads(work: Callable[[int, int], None], n: int) -> None:
+    """work(lo, hi) over items 0..n in equal spans, one span in each of the threads the kernels may use
+    now (Numba's count for this thread), each thread's BLAS on one thread. Every thread dequantizes and
+    multiplies its own chunks: two pools taking turns (Numba's parallel dequantization, then BLAS's
+    threads) left each pool's threads spinning against the other's for a quarter of a prefill."""
+    global _helpers, _blas
+    threads = max(1, min(n, numba.get_num_threads()))
+    spans = [(k * n // threads, (k + 1) * n // threads) for k in range(threads)]
+    if _blas is None:
+        _blas = ThreadpoolController()
+    with _blas.limit(limits=1, user_api="blas"):
+        if threads > 1 and _helpers is None:
+            _helpers = ThreadPoolExecutor(numba.config.NUMBA_NUM_THREADS - 1, "inferno-matmul")
+        helping = [_helpers.submit(work, *span) for span in spans[1:]]
+        work(*spans[0])
+        for done in helping:
+            done.result()
 
 
 def tensor_to_float32(tensor: gguf.ReaderTensor) -> np.ndarray:
@@ -439,20 +478,16 @@ def _kernels(qtype: int) -> _Kernels:
                     out[k + i, c] = scratch[c, i]
             k += n
 
-    @njit(cache=True, parallel=True)
-    def dequantize_transposed(tiles, out_t, nchunks):
+    @njit(cache=True, nogil=True)
+    def dequantize_transposed(tiles, out_t, scratch):
         """out_t[col, t * lanes + lane] = element col of row lane of tile t: whole tiles, W.T for BLAS.
-        One run of tiles per thread, so each allocates its scratch once (a scratch per tile cost more
-        than the dequantization: each allocation of that size is a fresh mapping to fault in)."""
-        ntiles, cols, lanes = tiles.shape[0], out_t.shape[0], tiles.shape[3]
-        nchunks = min(ntiles, nchunks)
-        for c in prange(nchunks):
-            scratch = np.empty((cols, lanes), np.float32)
-            for t in range(c * ntiles // nchunks, (c + 1) * ntiles // nchunks):
-                dequantize_tile(qtype, tiles[t], 0, lanes, scratch)
-                for col in range(cols):
-                    src, dst = scratch[col], out_t[col, t * lanes : (t + 1) * lanes]
-                    for r in range(lanes):
-                        dst[r] = src[r]
+        scratch: float32[cols, lanes], the caller's (a fresh one per call is a mapping to fault in)."""
+        cols, lanes = out_t.shape[0], tiles.shape[3]
+        for t in range(tiles.shape[0]):
+            dequantize_tile(qtype, tiles[t], 0, lanes, scratch)
+            for col in range(cols):
+                src, dst = scratch[col], out_t[col, t * lanes : (t + 1) * lanes]
+                for r in range(lanes):
+                    dst[r] = src[r]
 
     return _Kernels(dequantize_rows, dequantize_transposed)
