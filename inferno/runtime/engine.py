@@ -67,6 +67,7 @@ class Engine:
         with step(f"loading {path}"):
             ready = prepared.load(path)
             release_freed_heap()
+            reuse_freed_pages()
         t1 = perf_counter()
         GOVERNOR.settle()
         with step("compiling kernels (cached on disk after the first run)"):
@@ -343,6 +344,22 @@ def release_freed_heap() -> None:
     the peak RSS). A no-op on a C library without malloc_trim."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).malloc_trim(0)
+
+
+HEAP_BELOW = 64 << 20  # bytes: allocations smaller than this come from glibc's heap (see reuse_freed_pages)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+def reuse_freed_pages() -> None:
+    """Have glibc serve a forward's large temporaries (a layer's activations: 18 MB each for a 1.5B
+    model's 512-token prefill) from its heap and keep their pages when they are freed, up to twice
+    HEAP_BELOW, rather than map fresh pages for each and unmap them after: touching a fresh page is
+    what costs (docs/LOG.md). Set once the model is loaded, whose own temporaries went back to the OS.
+    A no-op on a C library without mallopt."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None)
+        libc.mallopt(M_MMAP_THRESHOLD, HEAP_BELOW)
+        libc.mallopt(M_TRIM_THRESHOLD, 2 * HEAP_BELOW)
 
 
 WARM_LAYOUT = "prealloc"  # the cache layout warm_up runs: the default run's; others are warmed on first use
