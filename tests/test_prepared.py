@@ -62,7 +62,6 @@ def test_a_second_load_reads_the_entry_and_computes_the_same(cache_dir, model_fi
     assert built.cache == "miss" and prepared.entry_path(model_file).is_file()
     cached = prepared.load(model_file)
     assert cached.cache == "hit"
-    assert cached.tokenizer.vocab_size  # built in the background: its time is known once it is done
     assert set(cached.parts_ms) == {"open", "weights", "tokenizer"}
     same_model(built, cached)
 

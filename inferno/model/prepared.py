@@ -24,7 +24,6 @@ import json
 import mmap
 import os
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from stat import S_ISREG
@@ -58,28 +57,11 @@ class Prepared:
     """A model ready for its kernels, and what getting it cost."""
 
     model: Transformer
-    tokenizer_source: GGUFTokenizer | Future  # built in the background: see `tokenizer`
+    tokenizer: GGUFTokenizer
     fingerprint: str
     cache: str = "off"  # "hit": read from the cache; "miss": built from the file, entry written; "off"
     cache_bytes: int = 0  # the entry's size on disk (0: none)
     parts_ms: dict[str, float] = field(default_factory=dict)  # open, weights, tokenizer, cache_write
-    path: str = ""  # the model file, to build the tokenizer from if the entry's one is damaged
-
-    @property
-    def tokenizer(self) -> GGUFTokenizer:
-        """The tokenizer, once its background build is done. On a cache hit, `tokenizers` parses its
-        JSON without Python's lock (a large vocabulary takes hundreds of milliseconds), beside the
-        kernels' loading instead of before it."""
-        if isinstance(self.tokenizer_source, Future):
-            try:
-                self.tokenizer_source, self.parts_ms["tokenizer"] = self.tokenizer_source.result()
-            except Exception:
-                if self.cache != "hit":
-                    raise
-                t = perf_counter()  # a garbled entry: the file still has it
-                self.tokenizer_source = GGUFTokenizer.from_gguf(open_gguf(self.path))
-                self.parts_ms["tokenizer"] = (perf_counter() - t) * 1000
-        return self.tokenizer_source
 
 
 def cache_dir() -> Path:
@@ -354,24 +336,18 @@ def _read(entry: Path, ident: dict, model_path: str | os.PathLike) -> Prepared:
     weights = _CachedWeights(config, header["matrices"], set(header["arrays"]), array)
     model = Transformer.from_weights(config, weights)
     t2 = perf_counter()
-    state, text = array("tokenizer/state").tobytes(), array("tokenizer/json").tobytes()
-
-    def tokenizer() -> GGUFTokenizer:
-        built = GGUFTokenizer.from_state(json.loads(state), text.decode())
-        if built.vocab_size > config.vocab_size:
+    # `tokenizers` builds a large vocabulary for hundreds of milliseconds holding Python's lock, so
+    # building it in a thread beside the kernels' loading only moved the wait.
+    try:
+        tokenizer = GGUFTokenizer.from_state(json.loads(array("tokenizer/state").tobytes()),
+                                             array("tokenizer/json").tobytes().decode())
+        if tokenizer.vocab_size > config.vocab_size:
             raise ValueError("more tokens than embedding rows")
-        return built
-
-    parts = {"open": (t1 - t0) * 1000, "weights": (t2 - t1) * 1000}
-    return Prepared(model, _in_background(lambda: _timed(tokenizer)), str(header["fingerprint"]), "hit", size,
-                    parts, str(model_path))
-
-
-def _in_background(build: Callable[[], object]) -> Future:
-    pool = ThreadPoolExecutor(1, thread_name_prefix="inferno-tokenizer")
-    future = pool.submit(build)
-    pool.shutdown(wait=False)  # the build still runs; its thread ends with it
-    return future
+    except Exception:  # a garbled tokenizer in a good entry: the model file still has it
+        tokenizer = GGUFTokenizer.from_gguf(open_gguf(model_path))
+    t3 = perf_counter()
+    parts = {"open": (t1 - t0) * 1000, "weights": (t2 - t1) * 1000, "tokenizer": (t3 - t2) * 1000}
+    return Prepared(model, tokenizer, str(header["fingerprint"]), "hit", size, parts)
 
 
 class _CachedWeights:

@@ -16,8 +16,7 @@ SCHEMA_VERSION = 1  # of RunRecord.to_json(); bumped when a key changes meaning 
 class Startup:
     """What came before the first forward, part by part (wall milliseconds)."""
 
-    load_ms: float  # reading the model: open + weights + tokenizer + cache_write below (on a cache hit
-    # the tokenizer is built beside the kernels' loading: only the wait for it counts here)
+    load_ms: float  # reading the model: open + weights + tokenizer + cache_write below
     jit_ms: float  # compiling (first run) or loading (later runs) the kernels, and running each once
     open_ms: float = 0.0  # parsing the GGUF's header and metadata, or mapping the prepared-model cache entry
     weights_ms: float = 0.0  # repacking the weights into tiles, or checking the cached tiles
