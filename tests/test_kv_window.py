@@ -462,14 +462,12 @@ def test_grouped_types_held_positions_and_snapshots_before_the_slide(dtype):
 SMOLLM2_LIKE = KVGeometry(layers=30, kv_heads=3, heads=9, head_dim=64)
 GEMMA_LIKE = KVGeometry(layers=18, kv_heads=1, heads=4, head_dim=256,
                         windows=tuple(None if layer % 6 == 5 else 512 for layer in range(18)))
+PLANNED_CASES = [(SMOLLM2_LIKE, 8192, 256), (SMOLLM2_LIKE, 100, 64), (GEMMA_LIKE, 8, None),
+                 (GEMMA_LIKE, 600, None), (GEMMA_LIKE, 516, None), (GEMMA_LIKE, 32768, None)]
 
 
 @pytest.mark.parametrize("positions", ["shift", "original"])
-@pytest.mark.parametrize(
-    ("geometry", "capacity", "window"),
-    [(SMOLLM2_LIKE, 8192, 256), (SMOLLM2_LIKE, 100, 64), (GEMMA_LIKE, 8, None), (GEMMA_LIKE, 600, None),
-     (GEMMA_LIKE, 516, None), (GEMMA_LIKE, 32768, None)],
-)
+@pytest.mark.parametrize(("geometry", "capacity", "window"), PLANNED_CASES)
 @pytest.mark.parametrize("dtype", ROW_DTYPES)
 def test_planned_bytes_are_what_the_cache_allocates_for_every_row_dtype(dtype, geometry, capacity, window,
                                                                          positions):
@@ -483,11 +481,7 @@ def test_planned_bytes_are_what_the_cache_allocates_for_every_row_dtype(dtype, g
 
 
 @pytest.mark.parametrize("positions", ["shift", "original"])
-@pytest.mark.parametrize(
-    ("geometry", "capacity", "window"),
-    [(SMOLLM2_LIKE, 8192, 256), (SMOLLM2_LIKE, 100, 64), (GEMMA_LIKE, 8, None), (GEMMA_LIKE, 600, None),
-     (GEMMA_LIKE, 516, None), (GEMMA_LIKE, 32768, None)],
-)
+@pytest.mark.parametrize(("geometry", "capacity", "window"), PLANNED_CASES)
 @pytest.mark.parametrize("dtype", GROUPED)
 def test_planned_bytes_are_what_the_cache_allocates_for_grouped_types(dtype, geometry, capacity, window,
                                                                       positions):

@@ -185,16 +185,11 @@ def _build(model_path: str | os.PathLike, allocate: Allocate) -> tuple[Prepared,
     t2 = perf_counter()
     # Not in the background: building it holds Python's lock, which the repacking loop then waits for
     # (a switch interval per chunk: slower than building it first).
-    tokenizer, tokenizer_ms = _timed(GGUFTokenizer.from_gguf, reader)
+    tokenizer = GGUFTokenizer.from_gguf(reader)
+    t3 = perf_counter()
     prepared = Prepared(model, tokenizer, model_fingerprint(reader))
-    prepared.parts_ms = {"open": (t1 - t0) * 1000, "weights": (t2 - t1) * 1000, "tokenizer": tokenizer_ms}
+    prepared.parts_ms = {"open": (t1 - t0) * 1000, "weights": (t2 - t1) * 1000, "tokenizer": (t3 - t2) * 1000}
     return prepared, weights.built
-
-
-def _timed(build: Callable, *args) -> tuple[object, float]:
-    """build(*args), and the milliseconds it took."""
-    t = perf_counter()
-    return build(*args), (perf_counter() - t) * 1000
 
 
 class _EntryWriter:
@@ -205,14 +200,10 @@ class _EntryWriter:
     they reach the page cache as they are repacked and are not copied a second time to be written: for
     a 1.5B model that copy was a gigabyte of fresh pages."""
 
-    def __init__(self, entry: Path, fd: int):
-        self.entry, self._fd = entry, fd
+    def __init__(self, entry: Path, tmp: Path, fd: int):
+        self.entry, self.tmp, self._fd = entry, tmp, fd
         self._end = mmap.PAGESIZE  # the first array's offset: after MAGIC and the header's place
         self._placed: dict[int, tuple[np.ndarray, int]] = {}  # id(array) -> (array, offset)
-
-    @property
-    def tmp(self) -> Path:
-        return self.entry.with_name(f"{self.entry.name}.{os.getpid()}.tmp")
 
     @classmethod
     def open(cls, entry: Path) -> _EntryWriter | None:
@@ -223,7 +214,7 @@ class _EntryWriter:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError:
             return None
-        return cls(entry, fd)
+        return cls(entry, tmp, fd)
 
     def empty(self, shape: tuple[int, ...], dtype: type = np.uint8) -> np.ndarray:
         """An uninitialized array in the file. Its blocks are reserved before it is mapped, so a full disk
