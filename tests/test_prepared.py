@@ -274,3 +274,22 @@ def test_the_blas_path_is_warmed_only_by_a_request_that_takes_it(cache_dir):
     assert warmed > loaded
     engine.generate(long_prompt, 2)
     assert engine.startup.jit_ms == warmed
+
+
+def test_a_hit_maps_the_weights_before_the_first_forward(cache_dir, model_path, monkeypatch):
+    """The pages of the weights every forward reads are mapped at load, in one call per array, so the
+    first forward does not fault them in one at a time (without it, it faults several times more)."""
+    import resource
+
+    def first_forward_faults() -> int:
+        model = prepared.load(model_path).model
+        cache = make_cache("prealloc", model.config.kv_geometry, 1)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        model.prefill(np.array([1]), cache)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    first_forward_faults()  # the entry, and every kernel loaded
+    mapped = first_forward_faults()
+    monkeypatch.setattr(prepared, "_map_now", lambda *_: None)
+    faulted = first_forward_faults()
+    assert faulted > 4 * mapped, (faulted, mapped)

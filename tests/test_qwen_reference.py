@@ -168,3 +168,20 @@ def test_generate_chat_prints_hfs_answer_as_text(generate):
     assert code == 0, err
     assert out == chat["continuation_text"] + "\n", out
     assert "time to first token" in err and "Traceback" not in err
+
+
+def test_the_warm_up_runs_one_layer_of_each_kind(qwen_engine, gemma_engine):
+    """The warm-up's model keeps the first layer of each kind, the same objects: Qwen's Q4_K_M layers
+    differ in attn_v's and ffn_down's block types, Gemma's in their window; every kind is kept, once."""
+    for engine in (qwen_engine, gemma_engine):
+        model = engine.model
+        warm = model.one_layer_of_each_kind()
+        kinds = [model._layer_kind(i) for i in range(len(model.layers))]
+        kept = [kinds.index(kind) for kind in dict.fromkeys(kinds)]
+        assert 1 < len(kept) < len(model.layers)
+        assert all(a is model.layers[i] for a, i in zip(warm.layers, kept, strict=True))
+        assert warm.config.n_layers == len(kept)
+        assert warm.config.layer_windows == tuple(model.config.layer_windows[i] for i in kept)
+        assert warm.config.layer_rope_bases == tuple(model.config.layer_rope_bases[i] for i in kept)
+        assert warm.embedding is model.embedding and warm.output is model.output
+        assert {m.qtype for m in warm.layer_matrices()} == {m.qtype for m in model.layer_matrices()}

@@ -23,6 +23,7 @@ import hashlib
 import json
 import mmap
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -326,6 +327,7 @@ def _read(entry: Path, ident: dict, model_path: str | os.PathLike) -> Prepared:
     t1 = perf_counter()
     weights = _CachedWeights(config, header["matrices"], set(header["arrays"]), array)
     model = Transformer.from_weights(config, weights)
+    _map_now(mapped, [m.tiles for m in (*model.layer_matrices(), model.output)])
     t2 = perf_counter()
     # `tokenizers` builds a large vocabulary for hundreds of milliseconds holding Python's lock, so
     # building it in a thread beside the kernels' loading only moved the wait.
@@ -339,6 +341,26 @@ def _read(entry: Path, ident: dict, model_path: str | os.PathLike) -> Prepared:
     t3 = perf_counter()
     parts = {"open": (t1 - t0) * 1000, "weights": (t2 - t1) * 1000, "tokenizer": (t3 - t2) * 1000}
     return Prepared(model, tokenizer, str(header["fingerprint"]), "hit", size, parts)
+
+
+# Linux's madvise(MADV_POPULATE_READ), 5.14 on: maps a range's pages in one call, several times faster
+# than the first forward's faults, one each 16 pages.
+POPULATE_READ = 22
+
+
+def _map_now(mapped: mmap.mmap, arrays: list[np.ndarray]) -> None:
+    """Map the pages of `arrays` (views of `mapped`: the weights every forward reads in full) now, not
+    in the first forward. The embedding's, of which a forward reads a few rows, stay unmapped."""
+    if sys.platform != "linux":
+        return
+    base = np.frombuffer(mapped, np.uint8).ctypes.data
+    for array in arrays:
+        start = array.ctypes.data - base
+        first = start - start % mmap.PAGESIZE
+        try:
+            mapped.madvise(POPULATE_READ, first, start + array.nbytes - first)
+        except OSError:  # an older kernel: the first forward faults them in, as before
+            return
 
 
 class _CachedWeights:

@@ -13,7 +13,7 @@ types' products split them into int8 parts exact to float32, unless `set_activat
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Protocol
 
 import gguf
@@ -211,6 +211,28 @@ class Transformer:
             yield layer.wo
             yield from layer.gate_up.matrices
             yield layer.w_down
+
+    def one_layer_of_each_kind(self) -> Transformer:
+        """This model with only the first layer of each kind (its matrices' block types, which of its
+        optional weights it has, sliding or global), sharing the weights: a forward of it runs every
+        kernel a forward of the whole model runs, in a fraction of the time (what `warm_up` runs)."""
+        first: dict[tuple, int] = {}
+        for i in range(len(self.layers)):
+            first.setdefault(self._layer_kind(i), i)
+        keep = sorted(first.values())
+        c = self.config
+        config = replace(c, n_layers=len(keep), layer_windows=tuple(c.layer_windows[i] for i in keep),
+                         layer_rope_bases=tuple(c.layer_rope_bases[i] for i in keep))
+        layers = [self.layers[i] for i in keep]
+        model = Transformer(config, self.embedding, layers, self.output_norm, self.output)
+        model.activations = self.activations
+        return model
+
+    def _layer_kind(self, i: int) -> tuple:
+        layer = self.layers[i]
+        matrices = (*layer.qkv.matrices, layer.wo, *layer.gate_up.matrices, layer.w_down)
+        present = tuple(getattr(layer, f.name) is not None for f in fields(layer))
+        return tuple((m.qtype, len(m.parts)) for m in matrices), present, self.config.layer_windows[i] is None
 
     def set_activations(self, name: str) -> None:
         """How every matrix-vector product takes its activations (nibble_dots.ACTIVATIONS): "f32",

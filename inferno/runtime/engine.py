@@ -365,11 +365,12 @@ WARM_LAYOUT = "prealloc"  # the cache layout warm_up runs: the default run's; ot
 
 def warm_up(model: Transformer, cache: KVCache | None = None) -> None:
     """Run every kernel a request needs once, so the first timed forward measures work, not compiling
-    or loading: a one-token prefill and one decode step, into `cache` (left empty again) or a WARM_LAYOUT
-    cache of two tokens (the BLAS path's kernels, for long prompts, are warmed when one first comes:
-    `warm_up_matmul`)."""
+    or loading: a one-token prefill and one decode step, into `cache` (left empty again), or through one
+    layer of each kind (`one_layer_of_each_kind`) into a WARM_LAYOUT cache of two tokens. (The BLAS
+    path's kernels, for long prompts, are warmed when one first comes: `warm_up_matmul`.)"""
     tokens = np.arange(2) % model.config.vocab_size  # any ids the embedding has
     if cache is None:
+        model = model.one_layer_of_each_kind()
         cache = make_cache(WARM_LAYOUT, model.config.kv_geometry, len(tokens))
     with refusing_non_finite(0):
         check_logits(model.prefill(tokens[:1], cache), 0)
