@@ -6,9 +6,10 @@ the two engines; the table gives medians.
 
     python -m inferno.bench.versus_llama MODEL.gguf --llama-bench PATH [--rounds 3] [--threads 2]
 
-Whole process: `model-generate` of 16 tokens against `llama-bench -p 0 -n 16 -r 1` (which loads the
-model, warms up once and generates). A first run starts with an empty prepared-model cache (Numba's
-kernel cache warm, as after installing); a later run finds the entry.
+Whole process: `model-generate` of a 16-token prompt and 16 new tokens against `llama-bench -pg 16,16
+--no-warmup -r 1`, which loads the model, reads a 16-token prompt and generates 16 tokens: the same work
+(llama.cpp's warm-up is skipped; inferno's counts in its time). A first run starts with an empty
+prepared-model cache (Numba's kernel cache warm, as after installing); a later run finds the entry.
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ def inferno(model: str, prompt_file: Path, new: int, threads: int, extra: list[s
             "prefill": metrics["prefill_tok_s"], "wall": wall, "rss": rss}
 
 
-def llama(binary: str, model: str, threads: int, prompt: int, new: int, depth: int = 0) -> dict:
+def llama(binary: str, model: str, threads: int, prompt: int, new: int, depth: int = 0,
+          extra: tuple[str, ...] = ()) -> dict:
     cmd = [binary, "-m", model, "-t", str(threads), "-p", str(prompt), "-n", str(new), "-d", str(depth),
-           "-r", "1", "-o", "jsonl"]
+           "-r", "1", "-o", "jsonl", *extra]
     out, wall, rss = run(cmd)
     rate = json.loads(out.strip().splitlines()[-1])["avg_ts"]
     return {"decode" if new else "prefill": rate, "wall": wall, "rss": rss}
@@ -94,7 +96,7 @@ def main() -> None:
         int8 = inferno(args.model, prompts[512], 1, t, ["--activations", "int8"], warm)
         add("prefill 512 tok/s, --activations int8", int8["prefill"], theirs["prefill"])
         empty = work / f"empty-{time.monotonic_ns()}"
-        theirs = llama(b, args.model, t, 0, 16)
+        theirs = llama(b, args.model, t, 0, 0, extra=("-pg", "16,16", "--no-warmup"))  # as model-generate's
         ours = inferno(args.model, prompts[16], 16, t, [], dict(os.environ, INFERNO_CACHE_DIR=str(empty)))
         shutil.rmtree(empty)  # before the kernel writes its dirty pages back during the next measurements
         add("first run, whole process s", ours["wall"], theirs["wall"])
