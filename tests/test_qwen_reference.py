@@ -117,6 +117,16 @@ def test_encode_matches_transformers(tok):
     assert actual == expected, mismatches(expected, actual)
 
 
+def test_the_prepared_models_tokenizer_encodes_as_transformers(tok):
+    """Rebuilt from the state the prepared-model cache stores: transformers' ids."""
+    from inferno.text.tokenizer import GGUFTokenizer
+
+    again = GGUFTokenizer.from_state(*tok.to_state())
+    expected = [case["ids"] for case in CASES]
+    actual = [again.encode(case["text"]) for case in CASES]
+    assert actual == expected, mismatches(expected, actual)
+
+
 def test_decode_matches_transformers(tok):
     expected = [case["decoded"] for case in CASES]
     actual = [tok.decode(case["ids"]) for case in CASES]
