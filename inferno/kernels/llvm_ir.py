@@ -38,9 +38,10 @@ def declared(module: ir.Module, name: str, function_type: ir.FunctionType) -> ir
     return module.globals.get(name) or ir.Function(module, function_type, name)
 
 
-# How far ahead of what they read the streaming loops ask for memory (prefetch_ahead): SmolLM2 decode
-# measured 3 KiB and 12 KiB no faster than 6 KiB, and a non-temporal hint 2x slower.
-PREFETCH_AHEAD = 6144
+# How far ahead of what they read the streaming loops ask for memory (prefetch_ahead): of 0.5, 1, 2, 3
+# and 6 KiB, 2 KiB decoded fastest on all four models (docs/LOG.md, 2026-11-26); a non-temporal hint
+# was 2x slower.
+PREFETCH_AHEAD = 2048
 
 
 @intrinsic
