@@ -14,7 +14,7 @@ import pytest
 
 from inferno.errors import InfernoError
 from inferno.file.reader import open_gguf
-from inferno.text.tokenizer import CONTROL, USER_DEFINED, GGUFTokenizer, StreamDecoder
+from inferno.text.tokenizer import CONTROL, USER_DEFINED, GGUFTokenizer, StreamDecoder, _merges_as_strings
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = json.loads((ROOT / "tests" / "fixtures" / "tokenizer_smollm2.json").read_text(encoding="utf-8"))
@@ -50,6 +50,26 @@ def test_encode_matches_transformers(tok: GGUFTokenizer) -> None:
     expected = [case["ids"] for case in CASES]
     actual = [tok.encode(case["text"]) for case in CASES]
     assert actual == expected, mismatches(expected, actual)
+
+
+def test_the_prepared_models_tokenizer_is_the_same_tokenizer(tok: GGUFTokenizer) -> None:
+    """Rebuilt from its state as the prepared-model cache stores it, merges written "left right":
+    transformers' ids and text."""
+    state, tokenizer_json = tok.to_state()
+    assert all(isinstance(m, str) for m in json.loads(tokenizer_json)["model"]["merges"])
+    again = GGUFTokenizer.from_state(state, tokenizer_json)
+    expected = [case["ids"] for case in CASES]
+    actual = [again.encode(case["text"]) for case in CASES]
+    assert actual == expected, mismatches(expected, actual)
+    assert [again.decode(case["ids"]) for case in CASES] == [case["decoded"] for case in CASES]
+
+
+def test_merges_holding_a_space_stay_pairs() -> None:
+    """"a b" cannot name the merge of "a b" and "c": such merges keep tokenizers' [left, right] form."""
+    spaced = json.dumps({"model": {"type": "BPE", "merges": [["a", "b"], ["a b", "c"]]}})
+    assert _merges_as_strings(spaced) == spaced
+    plain = json.dumps({"model": {"type": "BPE", "merges": [["a", "b"], ["ab", "\n"]]}})
+    assert json.loads(_merges_as_strings(plain))["model"]["merges"] == ["a b", "ab \n"]
 
 
 def test_decode_matches_transformers(tok: GGUFTokenizer) -> None:

@@ -9,6 +9,7 @@ SmolLM) and SentencePiece BPE (`llama`: Llama 2, Mistral, Gemma), whose merges t
 from __future__ import annotations
 
 import codecs
+import json
 from functools import cache, cached_property
 
 import gguf
@@ -203,7 +204,7 @@ class GGUFTokenizer:
             "special_tokens": self._special_tokens,
             "chat_template": self._chat_template,
         }
-        return state, self._tokenizer.to_str()
+        return state, _merges_as_strings(self._tokenizer.to_str())
 
     @classmethod
     def from_state(cls, state: dict, tokenizer_json: str) -> GGUFTokenizer:
@@ -330,6 +331,18 @@ class StreamDecoder:
     def flush(self) -> str:
         """Whatever is still held back (a cut-off character comes out as U+FFFD)."""
         return self._utf8.decode(b"", final=True)
+
+
+def _merges_as_strings(tokenizer_json: str) -> str:
+    """The `tokenizers` JSON with its BPE merges written "left right" (its older format, which it still
+    reads, and a quarter faster) instead of [left, right], when no token in them holds a space."""
+    data = json.loads(tokenizer_json)
+    merges = data.get("model", {}).get("merges") or []
+    if not merges or not all(isinstance(m, list) and len(m) == 2 and all(m) and " " not in m[0] + m[1]
+                             for m in merges):
+        return tokenizer_json
+    data["model"]["merges"] = [" ".join(m) for m in merges]
+    return json.dumps(data, ensure_ascii=False)
 
 
 def _byte_level_tokenizer(reader: gguf.GGUFReader, tokens: list[str]) -> Tokenizer:
