@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
 from functools import cache, cached_property
 
 import gguf
@@ -335,14 +336,18 @@ class StreamDecoder:
 
 def _merges_as_strings(tokenizer_json: str) -> str:
     """The `tokenizers` JSON with its BPE merges written "left right" (its older format, which it still
-    reads, and a quarter faster) instead of [left, right], when no token in them holds a space."""
-    data = json.loads(tokenizer_json)
-    merges = data.get("model", {}).get("merges") or []
+    reads, and a quarter faster) instead of [left, right], when no token in them holds a space. Only
+    the merges are parsed and written again: `"merges":` can only be the model's key (a quote inside a
+    JSON string is escaped)."""
+    keys = list(re.finditer(r'"merges":\s*', tokenizer_json))
+    if len(keys) != 1:
+        return tokenizer_json
+    merges, end = json.JSONDecoder().raw_decode(tokenizer_json, keys[0].end())
     if not merges or not all(isinstance(m, list) and len(m) == 2 and all(m) and " " not in m[0] + m[1]
                              for m in merges):
         return tokenizer_json
-    data["model"]["merges"] = [" ".join(m) for m in merges]
-    return json.dumps(data, ensure_ascii=False)
+    written = json.dumps([" ".join(m) for m in merges], ensure_ascii=False)
+    return tokenizer_json[: keys[0].end()] + written + tokenizer_json[end:]
 
 
 def _byte_level_tokenizer(reader: gguf.GGUFReader, tokens: list[str]) -> Tokenizer:
