@@ -68,6 +68,9 @@ def test_merges_holding_a_space_stay_pairs() -> None:
     """"a b" cannot name the merge of "a b" and "c": such merges keep tokenizers' [left, right] form."""
     spaced = json.dumps({"model": {"type": "BPE", "merges": [["a", "b"], ["a b", "c"]]}})
     assert _merges_as_strings(spaced) == spaced
+    for odd in ([["a", ""]], [["a", 1]], [["a", "b", "c"]], {"a": "b"}, "a b"):  # left as they are
+        text = json.dumps({"model": {"type": "BPE", "merges": odd}})
+        assert _merges_as_strings(text) == text
     plain = json.dumps({"model": {"type": "BPE", "merges": [["a", "b"], ["ab", "\n"]]}})
     assert json.loads(_merges_as_strings(plain))["model"]["merges"] == ["a b", "ab \n"]
 

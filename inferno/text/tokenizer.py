@@ -343,8 +343,10 @@ def _merges_as_strings(tokenizer_json: str) -> str:
     if len(keys) != 1:
         return tokenizer_json
     merges, end = json.JSONDecoder().raw_decode(tokenizer_json, keys[0].end())
-    if not merges or not all(isinstance(m, list) and len(m) == 2 and all(m) and " " not in m[0] + m[1]
-                             for m in merges):
+    pairs = isinstance(merges, list) and all(
+        isinstance(m, list) and len(m) == 2 and all(isinstance(p, str) and p and " " not in p for p in m)
+        for m in merges)
+    if not merges or not pairs:
         return tokenizer_json
     written = json.dumps([" ".join(m) for m in merges], ensure_ascii=False)
     return tokenizer_json[: keys[0].end()] + written + tokenizer_json[end:]
