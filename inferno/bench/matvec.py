@@ -119,9 +119,7 @@ def bench_worker(model: Path, threads: int, seconds: float) -> None:
     model = Transformer.from_gguf(reader)
     load = time.perf_counter() - t0
     rss1 = rss_mb()
-    mats = [m for layer in model.layers
-            for m in [*layer.qkv.matrices, layer.wo, *layer.gate_up.matrices, layer.w_down]]
-    mats.append(model.output)
+    mats = [*model.layer_matrices(), model.output]
     stored = sum(m.nbytes for m in mats) / 2**20
     xs = [rng.standard_normal(m.cols).astype(np.float32) for m in mats]
     outs = [np.empty(m.rows, np.float32) for m in mats]

@@ -106,14 +106,14 @@ def _deq_packed(w, r0, r1, out, qtype, per, quads, stride, high_bits, planes):
         _halves(w[b, 0, r0:r1], w[b, 1, r0:r1], d)
         _halves(w[b, 2, r0:r1], w[b, 3, r0:r1], m)
         for j in range(per):
+            scales, mins = w[b, 4 + j, r0:r1], w[b, 12 + j, r0:r1]
             for half in range(2):
+                signed = w[b, 2 + 2 * j + half, r0:r1]
+                row = (planes + stride * j + (4 * half if high_bits == 2 else 0)) * n
+                plane = flat[b, row + r0 : row + r1]
                 for k in range(4):
                     row = (quads + stride * j + 4 * k) * n
                     quad = flat[b, row + r0 : row + r1]
-                    row = (planes + stride * j + (4 * half if high_bits == 2 else 0)) * n
-                    plane = flat[b, row + r0 : row + r1]
-                    scales, mins = w[b, 4 + j, r0:r1], w[b, 12 + j, r0:r1]
-                    signed = w[b, 2 + 2 * j + half, r0:r1]
                     for i in range(4):
                         dst = out[32 * (per * b + j) + 16 * half + 4 * k + i]
                         low = np.uint32(8 * i + 4 * half)

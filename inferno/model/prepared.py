@@ -223,7 +223,7 @@ class _EntryWriter:
         when a page is first written."""
         dtype = np.dtype(dtype)
         count = int(np.prod(shape, dtype=np.int64))
-        start = -(-self._end // mmap.ALLOCATIONGRANULARITY) * mmap.ALLOCATIONGRANULARITY
+        start = _aligned(self._end, mmap.ALLOCATIONGRANULARITY)  # where a mapping may start
         if count == 0 or self._fd < 0:
             return np.empty(shape, dtype)
         try:
@@ -294,8 +294,8 @@ class _EntryWriter:
             view, at = view[n:], at + n
 
 
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+def _aligned(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
 
 
 def _read(entry: Path, ident: dict, model_path: str | os.PathLike) -> Prepared:

@@ -127,6 +127,10 @@ class Layer:
     post_attn_norm: np.ndarray | None = None  # gemma3: RMSNorm of the attention and FFN outputs
     post_ffn_norm: np.ndarray | None = None  # before they join the residual stream
 
+    def matrices(self) -> list[QuantizedMatrix]:
+        """The layer's weight matrices, in the order a forward multiplies by them."""
+        return [*self.qkv.matrices, self.wo, *self.gate_up.matrices, self.w_down]
+
 
 def rope_frequencies(config: ModelConfig, base: float | None = None) -> np.ndarray:
     """Rotation frequency of each dimension pair, in float32 as the HF reference computes them.
@@ -207,10 +211,7 @@ class Transformer:
     def layer_matrices(self) -> Iterator[QuantizedMatrix]:
         """The layers' weight matrices: those a long prompt's prefill multiplies through BLAS."""
         for layer in self.layers:
-            yield from layer.qkv.matrices
-            yield layer.wo
-            yield from layer.gate_up.matrices
-            yield layer.w_down
+            yield from layer.matrices()
 
     def one_layer_of_each_kind(self) -> Transformer:
         """This model with only the first layer of each kind (its matrices' block types, which of its
@@ -230,9 +231,9 @@ class Transformer:
 
     def _layer_kind(self, i: int) -> tuple:
         layer = self.layers[i]
-        matrices = (*layer.qkv.matrices, layer.wo, *layer.gate_up.matrices, layer.w_down)
         present = tuple(getattr(layer, f.name) is not None for f in fields(layer))
-        return tuple((m.qtype, len(m.parts)) for m in matrices), present, self.config.layer_windows[i] is None
+        blocks = tuple((m.qtype, len(m.parts)) for m in layer.matrices())
+        return blocks, present, self.config.layer_windows[i] is None
 
     def set_activations(self, name: str) -> None:
         """How every matrix-vector product takes its activations (nibble_dots.ACTIVATIONS): "f32",
