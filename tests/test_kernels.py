@@ -1,14 +1,17 @@
 """Kernels against plain numpy written from the definitions."""
 
+import collections
 import math
+import threading
 
 import numba
 import numpy as np
 import pytest
 from numba import njit
+from threadpoolctl import threadpool_info
 
 from inferno.file.config import ModelConfig
-from inferno.kernels import attention, llvm_ir, ops
+from inferno.kernels import attention, llvm_ir, ops, sharing
 from inferno.model.transformer import rope_frequencies
 
 rng = np.random.default_rng(0)
@@ -135,7 +138,7 @@ def reference_attention(q, k, v, n_heads, first_pos, window=None):
     return out
 
 
-@pytest.mark.parametrize("t", [3, 300])  # a query at a time (attention.ROWWISE_PAIRS); over one query block
+@pytest.mark.parametrize("t", [3, 300])  # a query at a time (attention.ROWWISE_PAIRS); over query blocks
 @pytest.mark.parametrize("first_pos", [0, 13])
 def test_attention_prefill_is_causal_grouped_query_attention(first_pos, t):
     s = first_pos + t
@@ -157,6 +160,33 @@ def test_attention_prefill_sees_only_the_window(first_pos, window, t):
     np.testing.assert_allclose(got, reference_attention(q, k, v, 4, first_pos, window), atol=1e-5)
     if window == 1:  # each query sees only itself
         np.testing.assert_allclose(got, np.tile(v, 4), atol=1e-6)
+
+
+def test_attention_prefill_multiplies_with_blas_on_one_thread_per_share(monkeypatch):
+    # BLAS's own threads would spin against the shares' (inferno.kernels.sharing): each block's softmax
+    # runs between its two products, so what it sees is what they ran with
+    blas_threads = []
+    softmax = attention.causal_softmax
+
+    def spy(*args):
+        blas_threads.extend(i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas")
+        softmax(*args)
+
+    monkeypatch.setattr(attention, "causal_softmax", spy)
+    q = rng.standard_normal((300, 8 * 16), dtype=np.float32)
+    k = rng.standard_normal((300, 2 * 16), dtype=np.float32)
+    attention.attention_prefill(q, k, k, 8, 0)
+    assert len(blas_threads) >= 2 * 3 and set(blas_threads) == {1}  # 2 KV heads x 3 blocks of queries
+
+
+def test_dealt_runs_every_item_once_with_the_threads_evenly_loaded(monkeypatch):
+    monkeypatch.setattr(sharing, "threads_for", lambda n: min(n, 2))
+    ran = collections.defaultdict(list)  # thread -> the items it ran, in order
+    costs = [1, 4, 2, 3]
+    sharing.dealt(lambda i: ran[threading.get_ident()].append(i), costs)
+    assert sorted(i for items in ran.values() for i in items) == [0, 1, 2, 3]
+    assert sorted(sum(costs[i] for i in items) for items in ran.values()) == [5, 5]  # {1, 4} and {2, 3}
+    assert all(items == sorted(items) for items in ran.values())
 
 
 @pytest.mark.parametrize("s", [1, 15, 16, 50, 128, 129, 300])  # one span, one per thread, several

@@ -14,6 +14,7 @@ import numpy as np
 from inferno.kernels.jit import njit
 from inferno.kernels.llvm_ir import prefetch_ahead
 from inferno.kernels.ops import MAX_LANES, causal_softmax, exp_f32, row_max
+from inferno.kernels.sharing import dealt
 
 DECODE_SPAN = 128  # most cached positions per parallel task of decode attention
 MIN_SPAN = 16  # fewest: below this a task costs more to hand out than its positions take
@@ -163,7 +164,7 @@ def attention_prefill(
     values: np.ndarray,
     n_heads: int,
     first_pos: int,
-    block: int = 256,
+    block: int = 128,
     window: int | None = None,
 ) -> np.ndarray:
     """Causal grouped-query attention of T new queries at positions first_pos.. over S = first_pos + T keys.
@@ -195,19 +196,27 @@ def attention_prefill(
     v_heads = values.reshape(n_pos, n_kv, head_dim).transpose(1, 0, 2)  # [n_kv, S, D], a view
     out = np.empty_like(q)
     scale = np.float32(1.0 / math.sqrt(head_dim))
-    for t0 in range(0, n_queries, block):
+    blocks = range(0, n_queries, block)
+    # the keys each block of queries sees: none past its last query, none before its first's window
+    seen = {t0: (max(first_pos + t0 + 1 - window, 0) if window else 0, first_pos + min(t0 + block, n_queries))
+            for t0 in blocks}
+    units = [(h, t0) for t0 in blocks for h in range(n_kv)]  # a KV head's block of queries: one share's
+
+    def attend(unit: int) -> None:
+        h, t0 = units[unit]
         t1 = min(t0 + block, n_queries)
-        n = t1 - t0
-        visible = first_pos + t1  # keys past the last query of the block are never seen
-        first = max(first_pos + t0 + 1 - window, 0) if window else 0  # nor keys before the first's window
-        # [n, n_kv, group, D] -> [n_kv, group * n, D]: each KV head's query heads stacked, scaled as they
-        # are copied (D multiplies a query, where scaling its scores took one a visible key)
-        q_heads = np.empty((n_kv, group, n, head_dim), np.float32)
-        np.multiply(q[t0:t1].reshape(n, n_kv, group, head_dim).transpose(1, 2, 0, 3), scale, out=q_heads)
-        scores = np.matmul(q_heads.reshape(n_kv, group * n, head_dim), k_heads[:, :, first:visible])
+        n, (first, visible) = t1 - t0, seen[t0]
+        # [n, group, D] -> [group * n, D]: the KV head's query heads stacked, scaled as they are copied
+        # (D multiplies a query, where scaling its scores took one a visible key)
+        q_heads = np.empty((group, n, head_dim), np.float32)
+        np.multiply(q[t0:t1].reshape(n, n_kv, group, head_dim)[:, h].transpose(1, 0, 2), scale, out=q_heads)
+        scores = q_heads.reshape(group * n, head_dim) @ k_heads[h, :, first:visible]
         causal_softmax(scores, n, first_pos + t0 - first, window or 0)
-        mixed = np.matmul(scores, v_heads[:, first:visible])  # [n_kv, group * n, D]
-        out[t0:t1] = mixed.reshape(n_kv, group, n, head_dim).transpose(2, 0, 1, 3).reshape(n, -1)
+        mixed = scores @ v_heads[h, first:visible]  # [group * n, D]
+        rows = out[t0:t1].reshape(n, n_kv, group, head_dim)
+        rows[:, h] = mixed.reshape(group, n, head_dim).transpose(1, 0, 2)
+
+    dealt(attend, [(min(t0 + block, n_queries) - t0) * (seen[t0][1] - seen[t0][0]) for _, t0 in units])
     return out
 
 

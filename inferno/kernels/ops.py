@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import prange
 
 from inferno.kernels.jit import njit
 from inferno.kernels.llvm_ir import float_from_bits
@@ -157,22 +156,21 @@ def softmax(x: np.ndarray) -> None:
         x[i] *= inv
 
 
-@njit(cache=True, fastmath=True, parallel=True)
+@njit(cache=True, fastmath=True, nogil=True)
 def causal_softmax(scores: np.ndarray, n_queries: int, first_pos: int, window: int) -> None:
-    """Masked softmax in place over scores [batch, rows, keys] of a causal attention block.
+    """Masked softmax in place over scores [rows, keys] of a causal attention block, in the calling
+    thread (a share of kernels.sharing's: several run at once).
 
     Row r belongs to the query at position q = first_pos + r % n_queries, counted from the first key:
     it sees keys q - window + 1 .. q (all of 0 .. q when window is 0) and gets weight exactly 0 on
     every other key.
     """
-    batch, rows, _ = scores.shape
-    for br in prange(batch * rows):
-        b, r = br // rows, br % rows
+    for r in range(scores.shape[0]):
         visible = first_pos + r % n_queries + 1
         first = max(visible - window, 0) if window > 0 else 0
-        scores[b, r, :first] = 0.0
-        softmax(scores[b, r, first:visible])
-        scores[b, r, visible:] = 0.0
+        scores[r, :first] = 0.0
+        softmax(scores[r, first:visible])
+        scores[r, visible:] = 0.0
 
 
 @njit(cache=True, fastmath=True, error_model="numpy")

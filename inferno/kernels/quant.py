@@ -27,7 +27,6 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import gguf
@@ -36,7 +35,6 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 from numba import prange
 from numba.extending import overload
-from threadpoolctl import ThreadpoolController
 
 from inferno.errors import InfernoError
 from inferno.kernels.dequant import DEQUANTIZE, dequantize_tile, f16, zero
@@ -46,6 +44,7 @@ from inferno.kernels.llvm_ir import prefetch_ahead
 from inferno.kernels.nibble_dots import ACTIVATIONS, PACKED, integer_activations, quant_dots, sums_size
 from inferno.kernels.nibble_dots import LANES as NIBBLE_LANES
 from inferno.kernels.repack import TILE_BYTES, repack
+from inferno.kernels.sharing import in_spans
 
 TILE_ROWS = 32  # lanes per tile: full SIMD loops, yet enough tiles to share small matrices between threads
 WIDE_TILE_ROWS = 64  # for 4-bit blocks, whose matvec measured 1.2x faster on 64 lanes (Q8_0: 1.4x slower)
@@ -70,8 +69,6 @@ def integer_parts(qtype: int, activations: str) -> int:
     return parts if qtype in PACKED or (qtype == Q8_0 and parts == 1) else 0
 
 _thread_scratch = threading.local()  # each thread's matmul scratch, grown on demand
-_helpers: ThreadPoolExecutor | None = None  # the threads beside the caller's that share a matmul's chunks
-_blas: ThreadpoolController | None = None
 
 
 def uses_blas(n_rows: int) -> bool:
@@ -173,7 +170,7 @@ class QuantizedMatrix:
     def matmul(self, x: np.ndarray, part: int | None = None) -> np.ndarray:
         """x @ W.T: float32[n, cols] -> float32[n, rows], for prefill; with `part`, only the rows of
         that stacked weight (see from_tensors). Dequantizes a chunk of tiles at a time into a scratch
-        holding W.T's columns, and hands it to BLAS; each thread takes its own chunks (`_in_threads`)."""
+        holding W.T's columns, and hands it to BLAS; each thread takes its own chunks (kernels.sharing)."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         if x.ndim != 2 or x.shape[1] != self.cols:
             raise ValueError(f"{self.name}: matmul needs x of shape (n, {self.cols}), got {x.shape}")
@@ -203,7 +200,7 @@ class QuantizedMatrix:
                 m = min(n * lanes, rows - first * lanes)  # the last tile's padding rows are dropped
                 np.matmul(x, chunk[:, :m], out=out[:, first * lanes : first * lanes + m])
 
-        _in_threads(multiply, len(tiles))
+        in_spans(multiply, len(tiles))
         return out
 
     def dequantize(self) -> np.ndarray:
@@ -227,25 +224,6 @@ def _matmul_scratch(chunk: int, cols: int, lanes: int) -> tuple[np.ndarray, np.n
         tile = max(cols * lanes, have[1].size if have else 0)
         _thread_scratch.arrays = have = (np.empty(chunk, np.float32), np.empty(tile, np.float32))
     return have[0], have[1][: cols * lanes].reshape(cols, lanes)
-
-
-def _in_threads(work: Callable[[int, int], None], n: int) -> None:
-    """work(lo, hi) over items 0..n in equal spans, one span in each of the threads the kernels may use
-    now (Numba's count for this thread), each thread's BLAS on one thread. Every thread dequantizes and
-    multiplies its own chunks: two pools taking turns (Numba's parallel dequantization, then BLAS's
-    threads) left each pool's threads spinning against the other's for a quarter of a prefill."""
-    global _helpers, _blas
-    threads = max(1, min(n, numba.get_num_threads()))
-    spans = [(k * n // threads, (k + 1) * n // threads) for k in range(threads)]
-    if _blas is None:
-        _blas = ThreadpoolController()
-    with _blas.limit(limits=1, user_api="blas"):
-        if threads > 1 and _helpers is None:
-            _helpers = ThreadPoolExecutor(numba.config.NUMBA_NUM_THREADS - 1, "inferno-matmul")
-        helping = [_helpers.submit(work, *span) for span in spans[1:]]
-        work(*spans[0])
-        for done in helping:
-            done.result()
 
 
 def tensor_to_float32(tensor: gguf.ReaderTensor) -> np.ndarray:

@@ -1,0 +1,61 @@
+"""A prefill's BLAS work shared between threads: each of the threads the kernels may use now (Numba's
+count for the calling thread) runs its own share, calling BLAS on one thread.
+
+Why not BLAS's own threads: a prefill alternates BLAS products with Numba kernels, and two pools taking
+turns left each pool's idle threads spinning against the other's working ones (a quarter of a prefill
+on two cores). Worse, OpenBLAS reads how long its idle threads spin when it loads: a program that
+imported numpy before inferno (inferno/__init__.py shortens the spin) kept them spinning 0.1 s after
+every product, and its prefill ran 1.7x slower. With BLAS on one thread per share, its pool never
+wakes. So the Numba kernels a share calls run serially and release Python's lock (nogil)."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numba
+from threadpoolctl import ThreadpoolController
+
+_helpers: ThreadPoolExecutor | None = None  # the threads beside the caller's
+_blas: ThreadpoolController | None = None
+
+
+def threads_for(n: int) -> int:
+    """How many threads share n items now."""
+    return max(1, min(n, numba.get_num_threads()))
+
+
+def in_spans(work: Callable[[int, int], None], n: int) -> None:
+    """work(lo, hi) over items 0..n in equal contiguous spans, one per thread (items of equal cost)."""
+    threads = threads_for(n)
+    _run([lambda k=k: work(k * n // threads, (k + 1) * n // threads) for k in range(threads)])
+
+
+def dealt(work: Callable[[int], None], costs: Sequence[float]) -> None:
+    """work(i) for every item i, the items dealt largest first, each to the thread with the least work
+    so far; a thread runs its items in their order."""
+    threads = threads_for(len(costs))
+    loads = [(0.0, k) for k in range(threads)]
+    shares: list[list[int]] = [[] for _ in range(threads)]
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        load, k = heapq.heappop(loads)
+        shares[k].append(i)
+        heapq.heappush(loads, (load + costs[i], k))
+    for share in shares:
+        share.sort()
+    _run([lambda share=share: [work(i) for i in share] for share in shares])
+
+
+def _run(shares: list[Callable[[], object]]) -> None:
+    """Each share in its own thread (the first in the caller's), BLAS on one thread meanwhile."""
+    global _helpers, _blas
+    if _blas is None:
+        _blas = ThreadpoolController()
+    with _blas.limit(limits=1, user_api="blas"):
+        if len(shares) > 1 and _helpers is None:
+            _helpers = ThreadPoolExecutor(max(1, numba.config.NUMBA_NUM_THREADS - 1), "inferno-share")
+        helping = [_helpers.submit(share) for share in shares[1:]] if len(shares) > 1 else []
+        shares[0]()
+        for done in helping:
+            done.result()
