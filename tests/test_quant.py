@@ -115,6 +115,20 @@ def test_matvec_is_the_same_on_any_thread_count(tmp_path):
         numba.set_num_threads(before)
 
 
+@pytest.mark.parametrize(("qtype", "cols"), [(Q.Q5_0, 11 * 32), (Q.Q4_K, 3 * 256), (Q.Q6_K, 256)])
+@pytest.mark.parametrize("scratch_values", [32, 96, 256])  # spans of one block, an uneven last span, one
+def test_blas_chunks_hold_every_weight_bit_for_bit_whatever_the_span(tmp_path, qtype, cols, scratch_values):
+    rng = np.random.default_rng(3)
+    rows = 2 * WIDE_TILE_ROWS + 3
+    tensor = write_gguf(tmp_path / "w.gguf", {"w": (qtype, make_blocks(qtype, rows, cols, rng))})["w"]
+    m = QuantizedMatrix.from_tensor(tensor)
+    tiles, lanes = m._tiles, m._tiles.shape[3]
+    out_t = np.full((cols, tiles.shape[0] * lanes), np.nan, np.float32)
+    scratch = np.empty((max(scratch_values, cols // tiles.shape[1]), lanes), np.float32)
+    m._kernels.dequantize_transposed(tiles, out_t, scratch)
+    assert np.array_equal(bits(out_t[:, :rows].T), bits(m.dequantize()))
+
+
 @pytest.mark.parametrize("chunk_bytes", [1, 1 << 20, 64 << 20], ids=["tile-chunks", "uneven", "one-chunk"])
 def test_matmul_splits_its_chunks_over_threads_without_changing_a_value(tmp_path, monkeypatch, chunk_bytes):
     rng = np.random.default_rng(2)

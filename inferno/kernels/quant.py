@@ -49,6 +49,8 @@ from inferno.kernels.sharing import in_spans
 TILE_ROWS = 32  # lanes per tile: full SIMD loops, yet enough tiles to share small matrices between threads
 WIDE_TILE_ROWS = 64  # for 4-bit blocks, whose matvec measured 1.2x faster on 64 lanes (Q8_0: 1.4x slower)
 MATMUL_CHUNK_BYTES = 8 << 20  # float32 scratch holding one chunk of dequantized rows in matmul
+SPAN_VALUES = 256  # values of a tile's rows dequantized at a time for BLAS (one K-quant block)
+SPAN_BYTES = 128 << 10  # at most this much of W.T written between two spans (a core's cache holds it)
 MATMUL_MIN_ROWS = 8  # below this many rows of x, matvec per row beats dequantizing the weight for BLAS
 LOAD_WINDOW_BYTES = 64 << 20  # file bytes mapped at a time while repacking
 Allocate = Callable[[tuple[int, ...], type], np.ndarray]  # numpy.empty's signature: where tiles are built
@@ -218,12 +220,14 @@ class QuantizedMatrix:
 
 
 def _matmul_scratch(chunk: int, cols: int, lanes: int) -> tuple[np.ndarray, np.ndarray]:
-    """This thread's float32 scratch: `chunk` values for W.T's columns, and [cols, lanes] for a tile."""
+    """This thread's float32 scratch: `chunk` values for W.T's columns, and [SPAN_VALUES, lanes] for
+    a span of a tile's blocks (at most cols values)."""
+    values = min(cols, SPAN_VALUES)
     have = getattr(_thread_scratch, "arrays", None)
-    if have is None or have[0].size < chunk or have[1].size < cols * lanes:
-        tile = max(cols * lanes, have[1].size if have else 0)
-        _thread_scratch.arrays = have = (np.empty(chunk, np.float32), np.empty(tile, np.float32))
-    return have[0], have[1][: cols * lanes].reshape(cols, lanes)
+    if have is None or have[0].size < chunk or have[1].size < values * lanes:
+        span = max(values * lanes, have[1].size if have else 0)
+        _thread_scratch.arrays = have = (np.empty(chunk, np.float32), np.empty(span, np.float32))
+    return have[0], have[1][: values * lanes].reshape(values, lanes)
 
 
 def tensor_to_float32(tensor: gguf.ReaderTensor) -> np.ndarray:
@@ -459,13 +463,22 @@ def _kernels(qtype: int) -> _Kernels:
     @njit(cache=True, nogil=True)
     def dequantize_transposed(tiles, out_t, scratch):
         """out_t[col, t * lanes + lane] = element col of row lane of tile t: whole tiles, W.T for BLAS.
-        scratch: float32[cols, lanes], the caller's (a fresh one per call is a mapping to fault in)."""
-        cols, lanes = out_t.shape[0], tiles.shape[3]
-        for t in range(tiles.shape[0]):
-            dequantize_tile(qtype, tiles[t], 0, lanes, scratch)
-            for col in range(cols):
-                src, dst = scratch[col], out_t[col, t * lanes : (t + 1) * lanes]
-                for r in range(lanes):
-                    dst[r] = src[r]
+        scratch: float32[at least a block's values, lanes], the caller's (a fresh one per call is a
+        mapping to fault in). A span of blocks of every tile at a time, so the rows of out_t written
+        together stay in the core's cache: tile by tile over whole rows, the copy out took most of the
+        time, its writes spread over the whole chunk."""
+        ntiles, nblocks, _, lanes = tiles.shape
+        per_block = out_t.shape[0] // nblocks  # values
+        rows = min(scratch.shape[0], SPAN_BYTES // (4 * ntiles * lanes))  # of out_t written together
+        span = max(1, rows // per_block)  # blocks
+        for b0 in range(0, nblocks, span):
+            b1 = min(b0 + span, nblocks)
+            part = scratch[: (b1 - b0) * per_block]
+            for t in range(ntiles):
+                dequantize_tile(qtype, tiles[t, b0:b1], 0, lanes, part)
+                for col in range(part.shape[0]):
+                    src, dst = part[col], out_t[b0 * per_block + col, t * lanes : (t + 1) * lanes]
+                    for r in range(lanes):
+                        dst[r] = src[r]
 
     return _Kernels(dequantize_rows, dequantize_transposed)
