@@ -164,7 +164,7 @@ def attention_prefill(
     values: np.ndarray,
     n_heads: int,
     first_pos: int,
-    block: int = 128,
+    block: int = 64,
     window: int | None = None,
 ) -> np.ndarray:
     """Causal grouped-query attention of T new queries at positions first_pos.. over S = first_pos + T keys.

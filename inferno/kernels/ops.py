@@ -11,12 +11,14 @@ go to numpy's BLAS.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from inferno.kernels.jit import njit
 from inferno.kernels.llvm_ir import float_from_bits
+from inferno.kernels.sharing import in_spans
 
 
 @njit(cache=True, fastmath=True)
@@ -173,38 +175,49 @@ def causal_softmax(scores: np.ndarray, n_queries: int, first_pos: int, window: i
         scores[r, visible:] = 0.0
 
 
-@njit(cache=True, fastmath=True, error_model="numpy")
-def silu_gate(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """SiLU(gate) * up, element-wise, for the gated MLP (rows of [n, ffn]).
+@njit(cache=True, fastmath=True, error_model="numpy", nogil=True)
+def silu_gate(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
+    """out = SiLU(gate) * up, element-wise, for the gated MLP (rows of [n, ffn]).
 
     error_model="numpy" drops the per-element zero-divisor check (1 + exp(-g) > 0 anyway), which
     kept LLVM from vectorizing the loop: 10x faster."""
     n, f = gate.shape
-    out = np.empty_like(gate)
     for i in range(n):
         for j in range(f):
             g = gate[i, j]
             out[i, j] = g / (np.float32(1.0) + np.float32(exp_f32(-g))) * up[i, j]
-    return out
 
 
 GELU_TANH_C = math.sqrt(2.0 / math.pi)
 
 
-@njit(cache=True, fastmath=True, error_model="numpy")
-def gelu_tanh_gate(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """GELU(gate) * up with GELU's tanh approximation (Gemma's FFN), element-wise over [n, ffn].
+@njit(cache=True, fastmath=True, error_model="numpy", nogil=True)
+def gelu_tanh_gate(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
+    """out = GELU(gate) * up with GELU's tanh approximation (Gemma's FFN), element-wise over [n, ffn].
 
     0.5 g (1 + tanh(y)) is g - g / (exp(2y) + 1): the vectorizable exp_f32 instead of a tanh call.
     """
     n, f = gate.shape
-    out = np.empty_like(gate)
     c = np.float32(GELU_TANH_C)
     for i in range(n):
         for j in range(f):
             g = gate[i, j]
             y = c * (g + np.float32(0.044715) * g * g * g)
             out[i, j] = (g - g / (np.float32(exp_f32(2 * y)) + np.float32(1.0))) * up[i, j]
+
+
+SHARED_ROWS = 16  # rows from which a gate's work is shared between threads (a decode step's one is not)
+
+
+def gated(activation: Callable[[np.ndarray, np.ndarray, np.ndarray], None], gate: np.ndarray,
+          up: np.ndarray) -> np.ndarray:
+    """activation(gate, up) of rows [n, ffn] (silu_gate, gelu_tanh_gate): a prefill's rows in spans,
+    one per thread (kernels.sharing)."""
+    out = np.empty_like(gate)
+    if len(gate) < SHARED_ROWS:
+        activation(gate, up, out)
+    else:
+        in_spans(lambda lo, hi: activation(gate[lo:hi], up[lo:hi], out[lo:hi]), len(gate))
     return out
 
 

@@ -344,7 +344,7 @@ class Transformer:
     def _mlp(self, layer: Layer, x: np.ndarray, matmul: MatMul | None = None) -> np.ndarray:
         h = ops.rmsnorm(x, layer.ffn_norm, self.config.rms_eps)
         gate, up = layer.gate_up(h, matmul)
-        gated = ACTIVATIONS[self.config.ffn_activation](gate, up)
+        gated = ops.gated(ACTIVATIONS[self.config.ffn_activation], gate, up)
         return self._post_norm((matmul or QuantizedMatrix.matmul)(layer.w_down, gated), layer.post_ffn_norm)
 
     def _logits(self, x: np.ndarray, matmul: MatMul | None = None) -> np.ndarray:
