@@ -174,7 +174,8 @@ def attention_prefill(
     with first_pos counted from the oldest). window: each query sees only its last `window` positions,
     itself included (a sliding-window layer); None sees them all. The products are BLAS matmuls per KV
     head, with all query heads of a group stacked; queries go in blocks so the score matrix stays small
-    for long prompts, and a block reads only the keys its queries can see.
+    for long prompts, and a block reads only the keys its queries can see. Each KV head's block is one
+    item of work for the threads (kernels.sharing.dealt), dealt by its cost.
 
     A short prompt on a short cache (ROWWISE_PAIRS) takes each query through decode's kernel over the
     keys it sees: such prefill then compiles nothing of its own, 0.6 s less on a fresh machine's first
