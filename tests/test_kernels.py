@@ -181,6 +181,17 @@ def test_attention_prefill_multiplies_with_blas_on_one_thread_per_share(monkeypa
     assert blas_threads == [{1}] * (2 * 5)  # 2 KV heads x 5 blocks of 64 queries
 
 
+def test_shares_started_from_inside_a_share_run_in_its_thread(monkeypatch):
+    monkeypatch.setattr(sharing, "threads_for", lambda n: min(n, 2))
+    ran = []
+
+    def outer(i: int) -> None:
+        sharing.in_spans(lambda lo, hi: ran.append((i, lo, hi, threading.get_ident())), 4)
+
+    sharing.dealt(outer, [1, 1])  # every helper is busy running a share: a nested submit would wait forever
+    assert sorted(r[:3] for r in ran) == [(0, 0, 2), (0, 2, 4), (1, 0, 2), (1, 2, 4)]
+
+
 def test_dealt_runs_every_item_once_with_the_threads_evenly_loaded(monkeypatch):
     monkeypatch.setattr(sharing, "threads_for", lambda n: min(n, 2))
     ran = collections.defaultdict(list)  # thread -> the items it ran, in order

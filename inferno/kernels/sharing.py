@@ -2,21 +2,23 @@
 count for the calling thread) runs its own share, calling BLAS on one thread.
 
 Why not BLAS's own threads: a prefill alternates BLAS products with Numba kernels, and two pools taking
-turns left each pool's idle threads spinning against the other's working ones (a quarter of a prefill
-on two cores). Worse, OpenBLAS reads how long its idle threads spin when it loads: a program that
-imported numpy before inferno (inferno/__init__.py shortens the spin) kept them spinning 0.1 s after
-every product, and its prefill ran 1.7x slower. With BLAS on one thread per share, its pool never
-wakes. So the Numba kernels a share calls run serially and release Python's lock (nogil)."""
+turns left each pool's idle threads spinning against the other's working ones. Worse, OpenBLAS reads
+how long its idle threads spin when it loads, so in a program that imported numpy before inferno
+(inferno/__init__.py shortens the spin) they spun long after every product (docs/LOG.md has the
+figures). With BLAS on one thread per share, its pool never wakes. The Numba kernels a share calls
+run serially and release Python's lock (nogil)."""
 
 from __future__ import annotations
 
 import heapq
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numba
 from threadpoolctl import ThreadpoolController
 
+_HELPER = "inferno-share"  # the helper threads' name prefix
 _helpers: ThreadPoolExecutor | None = None  # the threads beside the caller's
 _blas: ThreadpoolController | None = None
 
@@ -48,13 +50,18 @@ def dealt(work: Callable[[int], None], costs: Sequence[float]) -> None:
 
 
 def _run(shares: list[Callable[[], object]]) -> None:
-    """Each share in its own thread (the first in the caller's), BLAS on one thread meanwhile."""
+    """Each share in its own thread (the first in the caller's), BLAS on one thread meanwhile. Called
+    from inside a share, the shares run one after another in that thread: the helpers are all busy."""
     global _helpers, _blas
+    if threading.current_thread().name.startswith(_HELPER):
+        for share in shares:
+            share()
+        return
     if _blas is None:
         _blas = ThreadpoolController()
     with _blas.limit(limits=1, user_api="blas"):
         if len(shares) > 1 and _helpers is None:
-            _helpers = ThreadPoolExecutor(max(1, numba.config.NUMBA_NUM_THREADS - 1), "inferno-share")
+            _helpers = ThreadPoolExecutor(max(1, numba.config.NUMBA_NUM_THREADS - 1), _HELPER)
         helping = [_helpers.submit(share) for share in shares[1:]] if len(shares) > 1 else []
         shares[0]()
         for done in helping:
