@@ -96,15 +96,17 @@ def test_rms_norm_heads_normalises_each_head_alone():
     np.testing.assert_allclose(got, want.reshape(3, 64), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("rows", [2, 40])  # a few rows; rows shared between threads (ops.SHARED_ROWS)
-def test_silu_gate(rows):
+@pytest.mark.parametrize(("rows", "shared_from"), [(2, math.inf), (40, 0)])  # alone; rows in spans of threads
+def test_silu_gate(rows, shared_from, monkeypatch):
+    monkeypatch.setattr(sharing, "SHARED_FROM_FLOP", shared_from)
     g = rng.standard_normal((rows, 50), dtype=np.float32)
     u = rng.standard_normal((rows, 50), dtype=np.float32)
     np.testing.assert_allclose(ops.gated(ops.silu_gate, g, u), g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("rows", [2, 40])
-def test_gelu_tanh_gate(rows):
+@pytest.mark.parametrize(("rows", "shared_from"), [(2, math.inf), (40, 0)])
+def test_gelu_tanh_gate(rows, shared_from, monkeypatch):
+    monkeypatch.setattr(sharing, "SHARED_FROM_FLOP", shared_from)
     g = rng.standard_normal((rows, 50), dtype=np.float32) * 4
     u = rng.standard_normal((rows, 50), dtype=np.float32)
     x = g.astype(np.float64)
@@ -142,7 +144,9 @@ def reference_attention(q, k, v, n_heads, first_pos, window=None):
 
 @pytest.mark.parametrize("t", [3, 300])  # a query at a time (attention.ROWWISE_PAIRS); over query blocks
 @pytest.mark.parametrize("first_pos", [0, 13])
-def test_attention_prefill_is_causal_grouped_query_attention(first_pos, t):
+@pytest.mark.parametrize("shared_from", [math.inf, 0])  # the blocks in this thread; dealt to the threads
+def test_attention_prefill_is_causal_grouped_query_attention(first_pos, t, shared_from, monkeypatch):
+    monkeypatch.setattr(sharing, "SHARED_FROM_FLOP", shared_from)
     s = first_pos + t
     q = rng.standard_normal((t, 8 * 16), dtype=np.float32)
     k = rng.standard_normal((s, 2 * 16), dtype=np.float32)
@@ -153,7 +157,8 @@ def test_attention_prefill_is_causal_grouped_query_attention(first_pos, t):
 
 @pytest.mark.parametrize("t", [3, 300])
 @pytest.mark.parametrize(("first_pos", "window"), [(0, 1), (0, 37), (13, 100), (290, 512), (0, 1000)])
-def test_attention_prefill_sees_only_the_window(first_pos, window, t):
+def test_attention_prefill_sees_only_the_window(first_pos, window, t, monkeypatch):
+    monkeypatch.setattr(sharing, "SHARED_FROM_FLOP", 0)  # the blocks dealt to the threads
     s = first_pos + t
     q = rng.standard_normal((t, 4 * 16), dtype=np.float32)
     k = rng.standard_normal((s, 1 * 16), dtype=np.float32)
@@ -175,6 +180,7 @@ def test_attention_prefill_multiplies_with_blas_on_one_thread_per_share(monkeypa
         softmax(*args)
 
     monkeypatch.setattr(attention, "causal_softmax", spy)
+    monkeypatch.setattr(sharing, "SHARED_FROM_FLOP", 0)
     q = rng.standard_normal((300, 8 * 16), dtype=np.float32)
     k = rng.standard_normal((300, 2 * 16), dtype=np.float32)
     attention.attention_prefill(q, k, k, 8, 0)
@@ -182,7 +188,7 @@ def test_attention_prefill_multiplies_with_blas_on_one_thread_per_share(monkeypa
 
 
 def test_shares_started_from_inside_a_share_run_in_its_thread(monkeypatch):
-    monkeypatch.setattr(sharing, "threads_for", lambda n: min(n, 2))
+    monkeypatch.setattr(sharing, "threads_for", lambda n, flop=0: min(n, 2))
     ran = []
 
     def outer(i: int) -> None:
@@ -193,7 +199,7 @@ def test_shares_started_from_inside_a_share_run_in_its_thread(monkeypatch):
 
 
 def test_dealt_runs_every_item_once_with_the_threads_evenly_loaded(monkeypatch):
-    monkeypatch.setattr(sharing, "threads_for", lambda n: min(n, 2))
+    monkeypatch.setattr(sharing, "threads_for", lambda n, flop=0: min(n, 2))
     ran = collections.defaultdict(list)  # thread -> the items it ran, in order
     costs = [1, 4, 2, 3]
     sharing.dealt(lambda i: ran[threading.get_ident()].append(i), costs)

@@ -15,7 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from inferno.errors import InfernoError
-from inferno.kernels import nibble_dots, quant
+from inferno.kernels import nibble_dots, quant, sharing
 from inferno.kernels.jit import njit
 from inferno.kernels.quant import FUSED, SUPPORTED, WIDE_TILE_ROWS, QuantizedMatrix, tensor_to_float32
 from inferno.kernels.quant_batch import batch_matmul
@@ -137,6 +137,7 @@ def test_matmul_splits_its_chunks_over_threads_without_changing_a_value(tmp_path
     m = QuantizedMatrix.from_tensor(tensor)
     x = rng.standard_normal((40, cols)).astype(np.float32)
     monkeypatch.setattr(quant, "MATMUL_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(sharing, "SHARED_FROM_FLOP", 0)  # a product this small would run in one thread
     before = numba.get_num_threads()
     try:
         numba.set_num_threads(1)

@@ -217,7 +217,9 @@ def attention_prefill(
         rows = out[t0:t1].reshape(n, n_kv, group, head_dim)
         rows[:, h] = mixed.reshape(group, n, head_dim).transpose(1, 0, 2)
 
-    dealt(attend, [(min(t0 + block, n_queries) - t0) * (seen[t0][1] - seen[t0][0]) for _, t0 in units])
+    # a unit's cost: its query-key pairs, each a multiply-add of D in both products for each query head
+    dealt(attend, [(min(t0 + block, n_queries) - t0) * (seen[t0][1] - seen[t0][0]) for _, t0 in units],
+          flop_per_cost=4 * group * head_dim)
     return out
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from inferno.kernels.jit import njit
 from inferno.kernels.llvm_ir import float_from_bits
-from inferno.kernels.sharing import in_spans
+from inferno.kernels.sharing import in_spans, threads_for
 
 
 @njit(cache=True, fastmath=True)
@@ -206,18 +206,18 @@ def gelu_tanh_gate(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
             out[i, j] = (g - g / (np.float32(exp_f32(2 * y)) + np.float32(1.0))) * up[i, j]
 
 
-SHARED_ROWS = 16  # rows from which a gate's work is shared between threads (a decode step's one is not)
+GATE_FLOP = 20  # float operations a gated value takes, the exponential counted as a dozen
 
 
 def gated(activation: Callable[[np.ndarray, np.ndarray, np.ndarray], None], gate: np.ndarray,
           up: np.ndarray) -> np.ndarray:
-    """activation(gate, up) of rows [n, ffn] (silu_gate, gelu_tanh_gate): a prefill's rows in spans,
-    one per thread (kernels.sharing)."""
-    out = np.empty_like(gate)
-    if len(gate) < SHARED_ROWS:
+    """activation(gate, up) of rows [n, ffn] (silu_gate, gelu_tanh_gate): a long prefill's rows in
+    spans, one per thread (kernels.sharing)."""
+    out, flop = np.empty_like(gate), GATE_FLOP * gate.size
+    if threads_for(len(gate), flop) == 1:  # decode, a short prompt: here, without the sharing's bookkeeping
         activation(gate, up, out)
     else:
-        in_spans(lambda lo, hi: activation(gate[lo:hi], up[lo:hi], out[lo:hi]), len(gate))
+        in_spans(lambda lo, hi: activation(gate[lo:hi], up[lo:hi], out[lo:hi]), len(gate), flop)
     return out
 
 

@@ -202,7 +202,7 @@ class QuantizedMatrix:
                 m = min(n * lanes, rows - first * lanes)  # the last tile's padding rows are dropped
                 np.matmul(x, chunk[:, :m], out=out[:, first * lanes : first * lanes + m])
 
-        in_spans(multiply, len(tiles))
+        in_spans(multiply, len(tiles), 2.0 * x.shape[0] * rows * self.cols)
         return out
 
     def dequantize(self) -> np.ndarray:

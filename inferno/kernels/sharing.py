@@ -11,6 +11,7 @@ run serially and release Python's lock (nogil)."""
 from __future__ import annotations
 
 import heapq
+import math
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -23,21 +24,26 @@ _helpers: ThreadPoolExecutor | None = None  # the threads beside the caller's
 _blas: ThreadpoolController | None = None
 
 
-def threads_for(n: int) -> int:
-    """How many threads share n items now."""
-    return max(1, min(n, numba.get_num_threads()))
+# Work of fewer float operations than this runs in the calling thread: waking a helper takes about as
+# long as half of it (docs/LOG.md).
+SHARED_FROM_FLOP = 20e6
 
 
-def in_spans(work: Callable[[int, int], None], n: int) -> None:
+def threads_for(n: int, flop: float = math.inf) -> int:
+    """How many threads share n items, `flop` float operations in all, now."""
+    return 1 if flop < SHARED_FROM_FLOP else max(1, min(n, numba.get_num_threads()))
+
+
+def in_spans(work: Callable[[int, int], None], n: int, flop: float = math.inf) -> None:
     """work(lo, hi) over items 0..n in equal contiguous spans, one per thread (items of equal cost)."""
-    threads = threads_for(n)
+    threads = threads_for(n, flop)
     _run([lambda k=k: work(k * n // threads, (k + 1) * n // threads) for k in range(threads)])
 
 
-def dealt(work: Callable[[int], None], costs: Sequence[float]) -> None:
+def dealt(work: Callable[[int], None], costs: Sequence[float], flop_per_cost: float = math.inf) -> None:
     """work(i) for every item i, the items dealt largest first, each to the thread with the least work
-    so far; a thread runs its items in their order."""
-    threads = threads_for(len(costs))
+    so far; a thread runs its items in their order. Item i is costs[i] * flop_per_cost float operations."""
+    threads = threads_for(len(costs), sum(costs) * flop_per_cost)
     loads = [(0.0, k) for k in range(threads)]
     shares: list[list[int]] = [[] for _ in range(threads)]
     for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
