@@ -197,16 +197,15 @@ def attention_prefill(
     v_heads = values.reshape(n_pos, n_kv, head_dim).transpose(1, 0, 2)  # [n_kv, S, D], a view
     out = np.empty_like(q)
     scale = np.float32(1.0 / math.sqrt(head_dim))
-    blocks = range(0, n_queries, block)
-    # the keys each block of queries sees: none past its last query, none before its first's window
-    seen = {t0: (max(first_pos + t0 + 1 - window, 0) if window else 0, first_pos + min(t0 + block, n_queries))
-            for t0 in blocks}
-    units = [(h, t0) for t0 in blocks for h in range(n_kv)]  # a KV head's block of queries: one share's
+    # a block of queries t0..t1 sees keys first..visible: none past its last query, none before its
+    # first's window; each KV head's block is one unit of work
+    blocks = [(t0, min(t0 + block, n_queries)) for t0 in range(0, n_queries, block)]
+    units = [(h, t0, t1, max(first_pos + t0 + 1 - window, 0) if window else 0, first_pos + t1)
+             for t0, t1 in blocks for h in range(n_kv)]
 
     def attend(unit: int) -> None:
-        h, t0 = units[unit]
-        t1 = min(t0 + block, n_queries)
-        n, (first, visible) = t1 - t0, seen[t0]
+        h, t0, t1, first, visible = units[unit]
+        n = t1 - t0
         # [n, group, D] -> [group * n, D]: the KV head's query heads stacked, scaled as they are copied
         # (D multiplies a query, where scaling its scores took one a visible key)
         q_heads = np.empty((group, n, head_dim), np.float32)
@@ -218,7 +217,7 @@ def attention_prefill(
         rows[:, h] = mixed.reshape(group, n, head_dim).transpose(1, 0, 2)
 
     # a unit's cost: its query-key pairs, each a multiply-add of D in both products for each query head
-    dealt(attend, [(min(t0 + block, n_queries) - t0) * (seen[t0][1] - seen[t0][0]) for _, t0 in units],
+    dealt(attend, [(t1 - t0) * (visible - first) for _, t0, t1, first, visible in units],
           flop_per_cost=4 * group * head_dim)
     return out
 
