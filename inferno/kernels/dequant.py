@@ -12,7 +12,7 @@ from numba.extending import intrinsic, overload
 
 from inferno.kernels.ggml import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0
 from inferno.kernels.jit import njit
-from inferno.kernels.llvm_ir import float_from_bits
+from inferno.kernels.llvm_ir import float_from_bits, shift_right
 from inferno.kernels.nibble_dots import PACKED
 
 # ---------------------------------------------------------------------------------------------------
@@ -50,38 +50,39 @@ def zero(a):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Exact dequantization of lanes [r0, r1) of one tile, transposed: out[col, lane - r0]. Lanes are the
-# innermost loop so whole tiles vectorize. Same float32 operations, in the same order, as gguf/quants.py.
+# Exact dequantization of lanes [r0, r1) of one tile, transposed: out[col, at + lane - r0]. Lanes are
+# the innermost loop so whole tiles vectorize. Same float32 operations, in the same order, as
+# gguf/quants.py.
 
 
 @njit(cache=True)
-def _deq_f32(w, r0, r1, out):
+def _deq_f32(w, r0, r1, out, at):
     for c in range(w.shape[0]):
         for r in range(r0, r1):
             bits = np.uint32(_u16(w, c, 0, r)) | (np.uint32(_u16(w, c, 2, r)) << 16)
-            out[c, r - r0] = float_from_bits(bits)
+            out[c, at + r - r0] = float_from_bits(bits)
 
 
 @njit(cache=True)
-def _deq_f16(w, r0, r1, out):
+def _deq_f16(w, r0, r1, out, at):
     for c in range(w.shape[0]):
         for r in range(r0, r1):
-            out[c, r - r0] = f16(w, c, 0, r)
+            out[c, at + r - r0] = f16(w, c, 0, r)
 
 
 @njit(cache=True)
-def _deq_bf16(w, r0, r1, out):
+def _deq_bf16(w, r0, r1, out, at):
     for c in range(w.shape[0]):
         for r in range(r0, r1):
-            out[c, r - r0] = float_from_bits(np.uint32(_u16(w, c, 0, r)) << 16)
+            out[c, at + r - r0] = float_from_bits(np.uint32(_u16(w, c, 0, r)) << 16)
 
 
 @njit(cache=True)
-def _deq_q8_0(w, r0, r1, out):
+def _deq_q8_0(w, r0, r1, out, at):
     for b in range(w.shape[0]):
         for j in range(32):
             for r in range(r0, r1):
-                out[32 * b + j, r - r0] = np.float32(np.int8(w[b, 2 + j, r])) * f16(w, b, 0, r)
+                out[32 * b + j, at + r - r0] = np.float32(np.int8(w[b, 2 + j, r])) * f16(w, b, 0, r)
 
 
 @njit(cache=True)
@@ -92,7 +93,7 @@ def _halves(low, high, out):
 
 
 @njit(cache=True)
-def _deq_packed(w, r0, r1, out, qtype, per, quads, stride, high_bits, planes):
+def _deq_packed(w, r0, r1, out, at, qtype, per, quads, stride, high_bits, planes):
     """The packed types (inferno.nibble_dots.PACKED; its fields after qtype), from their tiles. The words
     of a quad or plane row of all lanes are contiguous (lane q * n + c's at row + q, column c, n = lanes
     / 4), so one value of every lane is one vectorized loop over consecutive words. It indexes slices
@@ -115,27 +116,27 @@ def _deq_packed(w, r0, r1, out, qtype, per, quads, stride, high_bits, planes):
                     row = (quads + stride * j + 4 * k) * n
                     quad = flat[b, row + r0 : row + r1]
                     for i in range(4):
-                        dst = out[32 * (per * b + j) + 16 * half + 4 * k + i]
+                        dst = out[32 * (per * b + j) + 16 * half + 4 * k + i, at : at + r1 - r0]
                         low = np.uint32(8 * i + 4 * half)
                         high = np.uint32(8 * i + k + 4 * half if high_bits == 1 else 8 * i + 2 * k)
                         for c in range(r1 - r0):
-                            v = (quad[c] >> low) & np.uint32(15)
-                            if high_bits == 1:
-                                v |= ((plane[c] >> high) & np.uint32(1)) << np.uint32(4)
-                            elif high_bits == 2:
-                                v |= ((plane[c] >> high) & np.uint32(3)) << np.uint32(4)
+                            v = np.uint32(shift_right(quad[c], low) & np.uint32(15))
+                            if high_bits:
+                                bits = np.uint32(shift_right(plane[c], high) & np.uint32(high_bits * 2 - 1))
+                                v = np.uint32(v | np.uint32(bits << np.uint32(4)))
+                            # v - offset in float is exact, and stays 32-bit (Numba's int32 - int32 is 64)
                             if qtype == Q4_0:
-                                dst[c] = d[c] * np.float32(np.int32(v) - np.int32(8))
+                                dst[c] = d[c] * (np.float32(v) - np.float32(8))
                             elif qtype in (Q4_1, Q5_1):
                                 dst[c] = d[c] * np.float32(v) + m[c]
                             elif qtype == Q5_0:
-                                dst[c] = d[c] * np.float32(np.int32(v) - np.int32(16))
+                                dst[c] = d[c] * (np.float32(v) - np.float32(16))
                             elif qtype in (Q4_K, Q5_K):
                                 dl, ml = d[c] * np.float32(scales[c]), m[c] * np.float32(mins[c])
                                 dst[c] = dl * np.float32(v) - ml
                             else:
                                 dl = d[c] * np.float32(np.int8(signed[c]))
-                                dst[c] = dl * np.float32(np.int32(v) - np.int32(32))
+                                dst[c] = dl * (np.float32(v) - np.float32(32))
 
 
 def _packed_dequantizer(qtype: int):
@@ -144,8 +145,8 @@ def _packed_dequantizer(qtype: int):
     per, quads, stride, high_bits, planes = PACKED[qtype]
 
     @njit(cache=True)
-    def dequantize(w, r0, r1, out):
-        _deq_packed(w, r0, r1, out, qtype, per, quads, stride, high_bits, planes)
+    def dequantize(w, r0, r1, out, at):
+        _deq_packed(w, r0, r1, out, at, qtype, per, quads, stride, high_bits, planes)
 
     return dequantize
 
@@ -154,12 +155,13 @@ DEQUANTIZE = {F32: _deq_f32, F16: _deq_f16, BF16: _deq_bf16, Q8_0: _deq_q8_0} | 
     qtype: _packed_dequantizer(qtype) for qtype in PACKED}
 
 
-def dequantize_tile(qtype, w, r0, r1, out):
-    """Dequantize lanes [r0, r1) of tile w into out[col, lane - r0] (dispatch stub, see the overload)."""
+def dequantize_tile(qtype, w, r0, r1, out, at=0):
+    """Dequantize lanes [r0, r1) of tile w into out[col, at + lane - r0] (dispatch stub, see the
+    overload). `at` places a tile among others' columns: W.T written in place, rows of out contiguous."""
     raise NotImplementedError
 
 
 @overload(dequantize_tile, prefer_literal=True)
-def _dequantize_tile_impl(qtype, w, r0, r1, out):
+def _dequantize_tile_impl(qtype, w, r0, r1, out, at=0):
     deq = DEQUANTIZE[qtype.literal_value]
-    return lambda qtype, w, r0, r1, out: deq(w, r0, r1, out)
+    return lambda qtype, w, r0, r1, out, at=0: deq(w, r0, r1, out, at)

@@ -56,6 +56,21 @@ def float_from_bits(typingctx, bits):
 
 
 @intrinsic
+def shift_right(typingctx, word, bits):
+    """The uint32 `word` shifted right by `bits` (under 32), in 32 bits. Numba's >> widens both to 64
+    bits, and LLVM cannot narrow a shift by a count it does not know: vectorized, the loop then runs half
+    as many lanes an instruction and converts 64-bit integers to float."""
+    if word != types.uint32 or bits != types.uint32:
+        return None
+    sig = types.uint32(types.uint32, types.uint32)
+
+    def codegen(context, builder, signature, args):
+        return builder.lshr(args[0], args[1])
+
+    return sig, codegen
+
+
+@intrinsic
 def prefetch_ahead(typingctx, array, i):
     """Ask for as many bytes as array[i] holds, PREFETCH_AHEAD bytes past array[i]'s start, into every
     level of the CPU's caches (llvm.prefetch: read, locality 3), a cache line at a time. A kernel

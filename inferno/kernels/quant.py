@@ -49,7 +49,6 @@ from inferno.kernels.sharing import in_spans
 TILE_ROWS = 32  # lanes per tile: full SIMD loops, yet enough tiles to share small matrices between threads
 WIDE_TILE_ROWS = 64  # for 4-bit blocks, whose matvec measured 1.2x faster on 64 lanes (Q8_0: 1.4x slower)
 MATMUL_CHUNK_BYTES = 8 << 20  # float32 scratch holding one chunk of dequantized rows in matmul
-SPAN_VALUES = 256  # values of a tile's rows dequantized at a time for BLAS (one K-quant block)
 SPAN_BYTES = 128 << 10  # at most this much of W.T written between two spans (a core's cache holds it)
 MATMUL_MIN_ROWS = 8  # below this many rows of x, matvec per row beats dequantizing the weight for BLAS
 LOAD_WINDOW_BYTES = 64 << 20  # file bytes mapped at a time while repacking
@@ -194,11 +193,12 @@ class QuantizedMatrix:
             BLAS, in this thread (both release Python's lock)."""
             chunks = -(-(hi - lo) * tile_bytes // MATMUL_CHUNK_BYTES)
             step = -(-(hi - lo) // chunks)  # tiles per chunk: equal chunks
-            w_t, scratch = _matmul_scratch(self.cols * step * lanes, self.cols, lanes)
+            w_t = _matmul_scratch(self.cols * step * lanes)
             for first in range(lo, hi, step):
                 n = min(step, hi - first)
                 chunk = w_t[: self.cols * n * lanes].reshape(self.cols, n * lanes)
-                self._kernels.dequantize_transposed(tiles[first : first + n], chunk, scratch)
+                span = blocks_per_span(self.qtype, chunk)
+                self._kernels.dequantize_transposed(tiles[first : first + n], chunk, span)
                 m = min(n * lanes, rows - first * lanes)  # the last tile's padding rows are dropped
                 np.matmul(x, chunk[:, :m], out=out[:, first * lanes : first * lanes + m])
 
@@ -219,15 +219,18 @@ class QuantizedMatrix:
         return out
 
 
-def _matmul_scratch(chunk: int, cols: int, lanes: int) -> tuple[np.ndarray, np.ndarray]:
-    """This thread's float32 scratch: `chunk` values for W.T's columns, and [SPAN_VALUES, lanes] for
-    a span of a tile's blocks (at most cols values)."""
-    values = min(cols, SPAN_VALUES)
-    have = getattr(_thread_scratch, "arrays", None)
-    if have is None or have[0].size < chunk or have[1].size < values * lanes:
-        span = max(values * lanes, have[1].size if have else 0)
-        _thread_scratch.arrays = have = (np.empty(chunk, np.float32), np.empty(span, np.float32))
-    return have[0], have[1][: values * lanes].reshape(values, lanes)
+def blocks_per_span(qtype: QType, out_t: np.ndarray) -> int:
+    """How many blocks of every tile dequantize_transposed writes into W.T [cols, rows] at a time: the
+    rows of out_t they fill stay within SPAN_BYTES (at least one block)."""
+    return max(1, SPAN_BYTES // (gguf.GGML_QUANT_SIZES[qtype][0] * out_t[0].nbytes))
+
+
+def _matmul_scratch(chunk: int) -> np.ndarray:
+    """This thread's float32 scratch of at least `chunk` values, for W.T's columns."""
+    have = getattr(_thread_scratch, "chunk", None)
+    if have is None or have.size < chunk:
+        _thread_scratch.chunk = have = np.empty(chunk, np.float32)
+    return have
 
 
 def tensor_to_float32(tensor: gguf.ReaderTensor) -> np.ndarray:
@@ -396,7 +399,7 @@ def _tile_dot_impl(qtype, w, x, xq, acc, work, n_parts):
 
     def dequantized(qtype, w, x, xq, acc, work, n_parts):
         scratch = work[1]
-        deq(w, 0, acc.size, scratch)
+        deq(w, 0, acc.size, scratch, 0)
         zero(acc)
         for c in range(x.size):
             for r in range(acc.size):
@@ -461,24 +464,17 @@ def _kernels(qtype: int) -> _Kernels:
             k += n
 
     @njit(cache=True, nogil=True)
-    def dequantize_transposed(tiles, out_t, scratch):
-        """out_t[col, t * lanes + lane] = element col of row lane of tile t: whole tiles, W.T for BLAS.
-        scratch: float32[at least a block's values, lanes], the caller's (a fresh one per call is a
-        mapping to fault in). A span of blocks of every tile at a time, so the rows of out_t written
-        together stay in the core's cache: tile by tile over whole rows, the copy out took most of the
-        time, its writes spread over the whole chunk."""
+    def dequantize_transposed(tiles, out_t, span):
+        """out_t[col, t * lanes + lane] = element col of row lane of tile t: whole tiles, W.T for BLAS,
+        each tile written in place among the others' columns. `span` blocks of every tile at a time
+        (`blocks_per_span`), so the rows of out_t written together stay in the core's cache: tile by
+        tile over whole rows, the writes spread over the whole chunk."""
         ntiles, nblocks, _, lanes = tiles.shape
         per_block = out_t.shape[0] // nblocks  # values
-        rows = min(scratch.shape[0], SPAN_BYTES // (4 * ntiles * lanes))  # of out_t written together
-        span = max(1, rows // per_block)  # blocks
         for b0 in range(0, nblocks, span):
             b1 = min(b0 + span, nblocks)
-            part = scratch[: (b1 - b0) * per_block]
+            rows = out_t[b0 * per_block : b1 * per_block]
             for t in range(ntiles):
-                dequantize_tile(qtype, tiles[t, b0:b1], 0, lanes, part)
-                for col in range(part.shape[0]):
-                    src, dst = part[col], out_t[b0 * per_block + col, t * lanes : (t + 1) * lanes]
-                    for r in range(lanes):
-                        dst[r] = src[r]
+                dequantize_tile(qtype, tiles[t, b0:b1], 0, lanes, rows, t * lanes)
 
     return _Kernels(dequantize_rows, dequantize_transposed)
