@@ -1,5 +1,5 @@
 """inferno against llama.cpp's llama-bench on one model file, side by side in one run: decode at depth 0
-and 2048, prefill of 512 tokens (float32-exact and int8 activations), a first and a later run's whole
+(float32-exact and int8 activations) and 2048, prefill of 512 tokens (both), a first and a later run's whole
 process time and peak RSS; and the exact prefill as a fraction of the float32 peak, a plain sgemm of
 its weight products (inferno.bench.sgemm_peak). Every measurement is its own process; rounds alternate
 the two engines; the table gives medians.
@@ -87,6 +87,8 @@ def main() -> None:
     for _ in range(args.rounds):
         ours, theirs = inferno(args.model, prompts[16], 64, t, [], warm), llama(b, args.model, t, 0, 64)
         add("decode tok/s, depth 0", ours["decode"], theirs["decode"])
+        int8 = inferno(args.model, prompts[16], 64, t, ["--activations", "int8"], warm)  # as llama.cpp rounds
+        add("decode tok/s, depth 0, --activations int8", int8["decode"], theirs["decode"])
         ours = inferno(args.model, prompts[2048], 32, t, [], warm)
         add("decode tok/s, depth 2048", ours["decode"], llama(b, args.model, t, 0, 32, 2048)["decode"])
         theirs = llama(b, args.model, t, 512, 0)
