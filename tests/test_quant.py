@@ -115,10 +115,13 @@ def test_matvec_is_the_same_on_any_thread_count(tmp_path):
         numba.set_num_threads(before)
 
 
-@pytest.mark.parametrize(("qtype", "cols"), [(Q.Q5_0, 11 * 32), (Q.Q4_K, 3 * 256), (Q.Q6_K, 256)])
+@pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda t: t.name)
 @pytest.mark.parametrize("span", [1, 2, 11])  # spans of one block, an uneven last span, all blocks in one
-def test_blas_chunks_hold_every_weight_bit_for_bit_whatever_the_span(tmp_path, qtype, cols, span):
+def test_blas_chunks_hold_every_weight_bit_for_bit_whatever_the_span(tmp_path, qtype, span):
+    """Each tile is written in place among the others' columns of W.T (the last tile padded)."""
     rng = np.random.default_rng(3)
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    cols = 3 * 256 if block == 256 else 11 * 32
     rows = 2 * WIDE_TILE_ROWS + 3
     tensor = write_gguf(tmp_path / "w.gguf", {"w": (qtype, make_blocks(qtype, rows, cols, rng))})["w"]
     m = QuantizedMatrix.from_tensor(tensor)
