@@ -123,8 +123,10 @@ class GGUFTokenizer:
         stop_ids: frozenset[int],
         special_tokens: dict[str, str],
         chat_template: str | None,
+        merges: list[str] | None = None,
     ) -> None:
         self._tokenizer = tokenizer
+        self._merges = merges  # "left right", as the BPE model was given them (only for `to_state`)
         self._tokens = tokens
         self._pieces = pieces  # SentencePiece's pieces (▁ for a space); None: byte-level, spelled in tokens
         self._byte_values = byte_values  # SentencePiece's <0xNN> byte tokens: id -> byte
@@ -162,7 +164,7 @@ class GGUFTokenizer:
         named = {var: ids[name] for var, name in _TEMPLATE_NAMES.items() if ids[name] is not None}
 
         if model == "gpt2":
-            tokenizer = _byte_level_tokenizer(reader, tokens)
+            tokenizer, merges = _byte_level_tokenizer(reader, tokens)
             pieces, byte_values = None, {}
             _add_special_tokens(
                 tokenizer, tokens, token_types, set(named.values()), set(_byte_spelling().values())
@@ -170,6 +172,7 @@ class GGUFTokenizer:
             add_bos_default = False
         else:
             tokenizer, pieces = _sentencepiece_tokenizer(reader, tokens, ids["unknown"])
+            merges = None
             byte_values = {i: int(tokens[i][3:5], 16) for i, t in enumerate(token_types) if t == BYTE}
             _add_special_tokens(tokenizer, tokens, token_types, set(named.values()), None)
             add_bos_default = True  # llama.cpp's and transformers' default for SentencePiece files
@@ -191,6 +194,7 @@ class GGUFTokenizer:
             stop_ids=frozenset(stop_ids),
             special_tokens={var: tokens[i] for var, i in named.items()},
             chat_template=metadata(reader, "tokenizer.chat_template", expected=str),
+            merges=merges,
         )
 
     def to_state(self) -> tuple[dict, str]:
@@ -205,7 +209,7 @@ class GGUFTokenizer:
             "special_tokens": self._special_tokens,
             "chat_template": self._chat_template,
         }
-        return state, _merges_as_strings(self._tokenizer.to_str())
+        return state, _merges_as_strings(self._tokenizer.to_str(), self._merges)
 
     @classmethod
     def from_state(cls, state: dict, tokenizer_json: str) -> GGUFTokenizer:
@@ -334,25 +338,35 @@ class StreamDecoder:
         return self._utf8.decode(b"", final=True)
 
 
-def _merges_as_strings(tokenizer_json: str) -> str:
+def _merges_as_strings(tokenizer_json: str, merges: list[str] | None = None) -> str:
     """The `tokenizers` JSON with its BPE merges written "left right" (its older format, which it still
     reads, and a quarter faster) instead of [left, right], when no token in them holds a space. Only
-    the merges are parsed and written again: `"merges":` can only be the model's key (a quote inside a
-    JSON string is escaped)."""
+    the merges are rewritten: `"merges":` can only be the model's key (a quote inside a JSON string is
+    escaped).
+
+    merges: the "left right" strings the model was built from, when known: the JSON's merges are then
+    those, in that order, if there are as many, and are not taken apart and joined again."""
     keys = list(re.finditer(r'"merges":\s*', tokenizer_json))
     if len(keys) != 1:
         return tokenizer_json
-    merges, end = json.JSONDecoder().raw_decode(tokenizer_json, keys[0].end())
-    pairs = isinstance(merges, list) and all(
-        isinstance(m, list) and len(m) == 2 and all(isinstance(p, str) and p and " " not in p for p in m)
-        for m in merges)
-    if not merges or not pairs:
+    pairs, end = json.JSONDecoder().raw_decode(tokenizer_json, keys[0].end())
+    if not isinstance(pairs, list):
         return tokenizer_json
-    written = json.dumps([" ".join(m) for m in merges], ensure_ascii=False)
-    return tokenizer_json[: keys[0].end()] + written + tokenizer_json[end:]
+    if merges is None or len(merges) != len(pairs):
+        valid = all(isinstance(m, list) and len(m) == 2 and all(isinstance(p, str) for p in m) for m in pairs)
+        merges = [" ".join(m) for m in pairs] if valid else []
+    if not merges or not all(map(_one_space, merges)):
+        return tokenizer_json
+    return tokenizer_json[: keys[0].end()] + json.dumps(merges, ensure_ascii=False) + tokenizer_json[end:]
 
 
-def _byte_level_tokenizer(reader: gguf.GGUFReader, tokens: list[str]) -> Tokenizer:
+def _one_space(merge: str) -> bool:
+    """A merge "left right" that reads back as the pair it stands for."""
+    return merge.count(" ") == 1 and not merge.startswith(" ") and not merge.endswith(" ")
+
+
+def _byte_level_tokenizer(reader: gguf.GGUFReader, tokens: list[str]) -> tuple[Tokenizer, list[str]]:
+    """The tokenizer, and the merges it was built from."""
     pre = metadata(reader, "tokenizer.ggml.pre", "default", expected=str)
     if pre not in PRE_TOKENIZER_SPLITS:
         raise InfernoError(
@@ -384,7 +398,7 @@ def _byte_level_tokenizer(reader: gguf.GGUFReader, tokens: list[str]) -> Tokeniz
             ]
         )
     tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer
+    return tokenizer, merges
 
 
 def _sentencepiece_tokenizer(
