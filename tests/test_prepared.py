@@ -207,21 +207,82 @@ def in_a_mapping(array: np.ndarray) -> bool:
     return isinstance(getattr(array, "obj", array), mmap.mmap)
 
 
-def test_the_weights_are_built_in_the_entry_and_a_full_disk_is_no_crash(cache_dir, model_file, monkeypatch):
-    built = prepared.load(model_file)
-    entry = prepared.entry_path(model_file)
-    assert in_a_mapping(built.model.layers[0].qkv.matrices[0].tiles)  # the entry's file: no copy to write
+def mapped_from(array: np.ndarray, path: Path) -> bool:
+    """Whether `array` lies in a mapping of the file at `path` (Linux's /proc/self/maps)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *_, name = line.split(maxsplit=5)
+        low, high = (int(n, 16) for n in span.split("-"))
+        if low <= array.ctypes.data < high:
+            return name.strip() == str(path)
+    return False
 
-    def full(fd, offset, length):
+
+def test_a_first_load_runs_on_the_entry_it_wrote(cache_dir, model_file):
+    """The tiles are written to the entry, and the model runs on its pages as a later load's does."""
+    built = prepared.load(model_file)
+    assert built.cache == "miss"
+    tiles = [m.tiles for m in built.model.layer_matrices()]
+    assert all(mapped_from(t, prepared.entry_path(model_file)) for t in tiles)
+    same_model(built, prepared.load(model_file))
+
+
+def test_a_full_disk_is_no_crash(cache_dir, model_file, monkeypatch):
+    """No block can be reserved (the tiles are then built in memory) and no write succeeds: no entry,
+    the model all the same."""
+    reference = prepared.load(model_file)
+    prepared.entry_path(model_file).unlink()
+    fallocate, pwrite = os.posix_fallocate, os.pwrite
+
+    def full(*_):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    entry.unlink()
-    monkeypatch.setattr(os, "posix_fallocate", full)  # no block can be reserved: the arrays are in memory
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    monkeypatch.setattr(os, "pwrite", full)
     rebuilt = prepared.load(model_file)
-    assert rebuilt.cache == "miss" and not in_a_mapping(rebuilt.model.layers[0].qkv.matrices[0].tiles)
-    same_model(built, rebuilt)
-    monkeypatch.undo()
-    same_model(built, prepared.load(model_file))  # and written all the same
+    assert rebuilt.cache == "off" and not prepared.entry_path(model_file).exists()
+    assert not any(in_a_mapping(m.tiles) for m in rebuilt.model.layer_matrices())
+    same_model(reference, rebuilt)
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    again = prepared.load(model_file)  # written this time
+    assert again.cache == "miss"
+    same_model(reference, again)
+
+
+def test_a_write_failing_halfway_or_an_entry_gone_before_it_is_read_builds_in_memory(cache_dir, model_file,
+                                                                                      monkeypatch):
+    """The tiles written so far are only in the file: when the entry cannot be finished (an I/O error
+    on the third write) or read back (another process deleted it), they are built again, in memory."""
+    reference = prepared.load(model_file)
+    entry = prepared.entry_path(model_file)
+    entry.unlink()
+    writes = []
+    pwrite = os.pwrite
+
+    def failing(fd, data, at):
+        writes.append(at)
+        if len(writes) == 3:
+            raise OSError(errno.EIO, "Input/output error")
+        return pwrite(fd, data, at)
+
+    monkeypatch.setattr(os, "pwrite", failing)
+    rebuilt = prepared.load(model_file)
+    assert len(writes) == 3 and rebuilt.cache == "off" and not entry.exists()  # none after the failure
+    assert not list(cache_dir.glob("*.tmp"))  # the half-written entry is deleted
+    same_model(reference, rebuilt)
+    monkeypatch.setattr(os, "pwrite", pwrite)
+
+    read = prepared._read
+
+    def deleted_first(path, *args):
+        if len(args) == 3:  # reading back the entry just written
+            path.unlink()
+        return read(path, *args)
+
+    monkeypatch.setattr(prepared, "_read", deleted_first)
+    rebuilt = prepared.load(model_file)
+    assert rebuilt.cache == "off" and not any(in_a_mapping(m.tiles) for m in rebuilt.model.layer_matrices())
+    same_model(reference, rebuilt)
 
 
 def test_half_written_entries_of_ended_processes_are_deleted(cache_dir, model_file):

@@ -52,7 +52,6 @@ MATMUL_CHUNK_BYTES = 8 << 20  # float32 scratch holding one chunk of dequantized
 SPAN_BYTES = 128 << 10  # at most this much of W.T written between two spans (a core's cache holds it)
 MATMUL_MIN_ROWS = 8  # below this many rows of x, matvec per row beats dequantizing the weight for BLAS
 LOAD_WINDOW_BYTES = 64 << 20  # file bytes mapped at a time while repacking
-Allocate = Callable[[tuple[int, ...], type], np.ndarray]  # numpy.empty's signature: where tiles are built
 
 SUPPORTED = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0,
              QType.Q5_1, QType.Q4_K, QType.Q5_K, QType.Q6_K)
@@ -96,20 +95,24 @@ class QuantizedMatrix:
         return cls.from_tensors([tensor])
 
     @classmethod
-    def from_tensors(cls, tensors: list[gguf.ReaderTensor], allocate: Allocate = np.empty) -> QuantizedMatrix:
+    def from_tensors(
+        cls, tensors: list[gguf.ReaderTensor], store: TileStore | None = None
+    ) -> QuantizedMatrix:
         """The rows of several weights of one block type and row length, one weight after another,
         each starting on a tile boundary (see `parts`): one kernel call computes them all.
 
-        allocate(shape, dtype): where the tiles are built (the prepared-model cache passes its file's)."""
+        store: where the tiles are built (in memory by default; the prepared-model cache builds them in
+        its file)."""
+        store = store or IN_MEMORY
         shapes = [_matrix_shape(t) for t in tensors]
         qtype, cols = shapes[0][0], shapes[0][2]
         if any((q, c) != (qtype, cols) for q, _, c in shapes):
             raise ValueError(f"cannot stack {[t.name for t in tensors]}: block types or row lengths differ")
         shape, parts = tile_layout(qtype, [rows for _, rows, _ in shapes], cols)
-        tiles = allocate(shape, np.uint8)
+        tiles = store.empty(shape)
         lanes = shape[3]
         for tensor, (first, rows) in zip(tensors, parts, strict=True):
-            _read_tiles(tensor, rows, tiles[first // lanes : (first + rows + lanes - 1) // lanes])
+            _read_tiles(tensor, rows, tiles[first // lanes : (first + rows + lanes - 1) // lanes], store)
         return cls.from_tiles([t.name for t in tensors], qtype, cols, tiles, parts)
 
     @classmethod
@@ -282,9 +285,26 @@ def tile_layout(qtype: QType, rows: list[int], cols: int) -> tuple[tuple[int, ..
     return (first, cols // block, type_size, lanes), parts
 
 
-def _read_tiles(tensor: gguf.ReaderTensor, rows: int, tiles: np.ndarray) -> None:
-    """Fill tiles uint8[tiles, blocks, type_size, lanes] with the tensor's blocks, zero rows padding the
-    last tile."""
+class TileStore:
+    """Where matrices' tiles are built: here, in memory. The prepared-model cache's writer builds them
+    in its file instead (inferno.model.prepared), which is why tiles are written through `writing`."""
+
+    def empty(self, shape: tuple[int, ...]) -> np.ndarray:
+        """An uninitialized uint8 array of `shape`, for a matrix's tiles."""
+        return np.empty(shape, np.uint8)
+
+    @contextlib.contextmanager
+    def writing(self, tiles: np.ndarray) -> Iterator[np.ndarray]:
+        """Where to build `tiles` (a run of tiles of an array `empty` gave): the array itself, here."""
+        yield tiles
+
+
+IN_MEMORY = TileStore()
+
+
+def _read_tiles(tensor: gguf.ReaderTensor, rows: int, tiles: np.ndarray, store: TileStore) -> None:
+    """Fill tiles uint8[tiles, blocks, type_size, lanes] (through `store`) with the tensor's blocks,
+    zero rows padding the last tile."""
     ntiles, nblocks, _, lanes = tiles.shape
     qtype = int(tensor.tensor_type)
     type_size = gguf.GGML_QUANT_SIZES[QType(qtype)][1]  # the file's
@@ -293,8 +313,9 @@ def _read_tiles(tensor: gguf.ReaderTensor, rows: int, tiles: np.ndarray) -> None
     for t in range(0, ntiles, step):
         n = min(step, ntiles - t)
         count = min(n * lanes, rows - t * lanes)
-        with _tensor_bytes(tensor, t * lanes * row_bytes, count * row_bytes) as raw:
-            repack(raw.reshape(count, nblocks, type_size), tiles[t : t + n], qtype)
+        with _tensor_bytes(tensor, t * lanes * row_bytes, count * row_bytes) as raw, \
+                store.writing(tiles[t : t + n]) as out:
+            repack(raw.reshape(count, nblocks, type_size), out, qtype)
 
 
 @contextlib.contextmanager

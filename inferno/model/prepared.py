@@ -37,7 +37,7 @@ from gguf import GGMLQuantizationType as QType
 from inferno.errors import InfernoError
 from inferno.file.config import ModelConfig
 from inferno.file.reader import open_gguf
-from inferno.kernels.quant import Allocate, QuantizedMatrix
+from inferno.kernels.quant import QuantizedMatrix, TileStore
 from inferno.kv.snapshot import model_fingerprint
 from inferno.model.transformer import Transformer
 from inferno.model.validate import check_config, expected_tensors
@@ -147,17 +147,24 @@ def _load(model_path: str | os.PathLike) -> Prepared:
             pass
     writer = _EntryWriter.open(entry) if entry is not None else None
     try:
-        prepared, built = _build(model_path, writer.empty if writer else np.empty)
+        prepared, built = _build(model_path, writer)
     except BaseException:
         if writer:
             writer.abandon()
         raise
-    if writer:
-        t = perf_counter()
-        if writer.finish(built, prepared, ident):
-            prepared.cache, prepared.cache_bytes = "miss", entry.stat().st_size
-            _evict(entry.parent, limit, keep=entry)
-        prepared.parts_ms["cache_write"] = (perf_counter() - t) * 1000
+    if writer is None:
+        return prepared
+    t = perf_counter()
+    written = None  # the model as every later start will find it
+    if writer.finish(built, prepared, ident):
+        with contextlib.suppress(Exception):  # gone already (another process evicted it), or unreadable
+            written = _read(entry, ident, model_path, prepared.tokenizer)
+    if written is not None:
+        prepared.model, prepared.cache, prepared.cache_bytes = written.model, "miss", written.cache_bytes
+        _evict(entry.parent, limit, keep=entry)
+    elif writer.deferred:  # some tiles were only in the entry: build them again, in memory
+        prepared.model = _build(model_path, None)[0].model
+    prepared.parts_ms["cache_write"] = (perf_counter() - t) * 1000
     return prepared
 
 
@@ -195,12 +202,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _build(model_path: str | os.PathLike, allocate: Allocate) -> tuple[Prepared, dict]:
-    """The model from the file, its matrices' tiles built in `allocate`'s arrays, and what its weights
-    were built into (by tensor name)."""
+def _build(model_path: str | os.PathLike, store: TileStore | None) -> tuple[Prepared, dict]:
+    """The model from the file, its matrices' tiles built in `store` (None: in memory), and what its
+    weights were built into (by tensor name)."""
     t0 = perf_counter()
     reader = open_gguf(model_path)
-    config, weights = Transformer.weights_of(reader, allocate)
+    config, weights = Transformer.weights_of(reader, store)
     t1 = perf_counter()
     model = Transformer.from_weights(config, weights)
     t2 = perf_counter()
@@ -213,18 +220,25 @@ def _build(model_path: str | os.PathLike, allocate: Allocate) -> tuple[Prepared,
     return prepared, weights.built
 
 
-class _EntryWriter:
+class _EntryWriter(TileStore):
     """An entry being written, under a temporary name until `finish` names it, so a reader sees the old
     entry or the new one, never half of one.
 
-    The weights' tiles are built straight into the file (`empty`: arrays in a shared mapping of it), so
-    they reach the page cache as they are repacked and are not copied a second time to be written: for
-    a 1.5B model that copy was a gigabyte of fresh pages."""
+    The weights' tiles are written with pwrite, each run of tiles built in a scratch buffer first, and
+    the model that runs is then read from the finished entry, as every later start reads it. Written
+    so, the entry's pages sit in the page cache as large folios, which a mapping of the file reaches
+    through 2 MiB page-table entries: decode reads its weights with far fewer TLB misses than on the
+    4 KiB pages that building the tiles in a mapping of the file left (docs/LOG.md has the figures). No
+    mapping of the file may be open meanwhile (it slowed the writes several times), so while the file is
+    written `empty` hands out placeholders (untouched anonymous memory, which costs nothing) that say
+    where each matrix goes."""
 
     def __init__(self, entry: Path, tmp: Path, fd: int):
         self.entry, self.tmp, self._fd = entry, tmp, fd
         self._end = mmap.PAGESIZE  # the first array's offset: after MAGIC and the header's place
-        self._placed: dict[int, tuple[np.ndarray, int]] = {}  # id(array) -> (array, offset)
+        self._placeholders: list[tuple[int, int, int]] = []  # (address, bytes, offset in the file)
+        self._scratch = np.empty(0, np.uint8)
+        self._failed = False  # a write failed: no entry
 
     @classmethod
     def open(cls, entry: Path) -> _EntryWriter | None:
@@ -237,28 +251,60 @@ class _EntryWriter:
             return None
         return cls(entry, tmp, fd)
 
-    def empty(self, shape: tuple[int, ...], dtype: type = np.uint8) -> np.ndarray:
-        """An uninitialized array in the file. Its blocks are reserved before it is mapped, so a full disk
-        is refused here (the array is then in memory, and `finish` writes it) rather than raising SIGBUS
-        when a page is first written."""
-        dtype = np.dtype(dtype)
+    def empty(self, shape: tuple[int, ...]) -> np.ndarray:
+        """A placeholder for tiles of `shape`: where `writing` builds them in the file. The range's blocks
+        are reserved first, so a full disk is refused here (the array is then a real one, in memory, and
+        `finish` writes it) rather than failing a write later."""
         count = int(np.prod(shape, dtype=np.int64))
-        start = _aligned(self._end, mmap.ALLOCATIONGRANULARITY)  # where a mapping may start
+        start = _aligned(self._end, ALIGN)
         if count == 0 or self._fd < 0:
-            return np.empty(shape, dtype)
+            return np.empty(shape, np.uint8)
         try:
-            os.posix_fallocate(self._fd, start, count * dtype.itemsize)
-            mapped = mmap.mmap(self._fd, count * dtype.itemsize, mmap.MAP_SHARED, offset=start)
+            os.posix_fallocate(self._fd, start, count)
+            reserved = mmap.mmap(-1, count, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         except OSError:
-            return np.empty(shape, dtype)
-        array = np.frombuffer(mapped, dtype, count).reshape(shape)
-        self._placed[id(array)] = (array, start)
-        self._end = start + array.nbytes
+            return np.empty(shape, np.uint8)
+        array = np.frombuffer(reserved, np.uint8, count).reshape(shape)
+        self._placeholders.append((array.ctypes.data, count, start))
+        self._end = start + count
         return array
+
+    @property
+    def deferred(self) -> bool:
+        """True when some tiles exist only in the file (placeholders were handed out)."""
+        return bool(self._placeholders)
+
+    @contextlib.contextmanager
+    def writing(self, tiles: np.ndarray) -> Iterator[np.ndarray]:
+        """A scratch array to build `tiles` in, written to their place in the file afterwards."""
+        at = self._place_of(tiles)
+        if at is None:  # a real array
+            yield tiles
+            return
+        if self._scratch.size < tiles.nbytes:
+            self._scratch = np.empty(tiles.nbytes, np.uint8)
+        scratch = self._scratch[: tiles.nbytes].reshape(tiles.shape)
+        yield scratch
+        if not self._failed:
+            try:
+                self._write(scratch.reshape(-1), at)
+            except OSError:  # an I/O error: `finish` writes no entry, and `load` builds in memory
+                self._failed = True
+
+    def _place_of(self, array: np.ndarray) -> int | None:
+        """Where `array` (a placeholder or part of one) lies in the file; None: not a placeholder."""
+        address = array.ctypes.data
+        for base, size, offset in self._placeholders:
+            if base <= address < base + size:
+                return offset + address - base
+        return None
 
     def finish(self, built: dict, prepared: Prepared, ident: dict) -> bool:
         """Write what is not in the file yet (vectors, the tokenizer) and the header, and name the
         entry. False (and no entry) when that fails."""
+        if self._failed:
+            self.abandon()
+            return False
         arrays, matrices = {}, {}
         for name, item in built.items():
             if isinstance(item, QuantizedMatrix):
@@ -288,8 +334,7 @@ class _EntryWriter:
             return False
 
     def abandon(self) -> None:
-        """Delete the half-written entry (arrays already handed out stay valid: their mappings hold
-        reserved blocks, and outlive the file's name)."""
+        """Delete the half-written entry."""
         if self._fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
@@ -299,9 +344,9 @@ class _EntryWriter:
 
     def _place(self, array: np.ndarray) -> int:
         """The array's offset in the file, writing it there if `empty` did not put it there."""
-        placed = self._placed.get(id(array))
-        if placed is not None and placed[0] is array:
-            return placed[1]
+        placed = self._place_of(array)
+        if placed is not None:
+            return placed
         at = _aligned(self._end)
         self._write(np.ascontiguousarray(array).reshape(-1).view(np.uint8), at)
         self._end = at + array.nbytes
@@ -318,8 +363,10 @@ def _aligned(n: int, to: int = ALIGN) -> int:
     return -(-n // to) * to
 
 
-def _read(entry: Path, ident: dict, model_path: str | os.PathLike) -> Prepared:
-    """The model from a valid entry; any exception means the entry cannot be used."""
+def _read(entry: Path, ident: dict, model_path: str | os.PathLike, tokenizer: GGUFTokenizer | None = None
+          ) -> Prepared:
+    """The model from a valid entry (with `tokenizer`, when given, instead of the entry's); any exception
+    means the entry cannot be used."""
     t0 = perf_counter()
     with entry.open("rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writable arrays, file untouched
@@ -352,8 +399,8 @@ def _read(entry: Path, ident: dict, model_path: str | os.PathLike) -> Prepared:
     # `tokenizers` builds a large vocabulary for hundreds of milliseconds holding Python's lock, so
     # building it in a thread beside the kernels' loading only moved the wait.
     try:
-        tokenizer = GGUFTokenizer.from_state(json.loads(array("tokenizer/state").tobytes()),
-                                             array("tokenizer/json").tobytes().decode())
+        tokenizer = tokenizer or GGUFTokenizer.from_state(json.loads(array("tokenizer/state").tobytes()),
+                                                          array("tokenizer/json").tobytes().decode())
         if tokenizer.vocab_size > config.vocab_size:
             raise ValueError("more tokens than embedding rows")
     except Exception:  # a garbled tokenizer in a good entry: the model file still has it

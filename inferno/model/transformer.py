@@ -23,7 +23,7 @@ from gguf import GGUFReader
 from inferno.errors import InfernoError
 from inferno.file.config import ModelConfig
 from inferno.kernels import ops
-from inferno.kernels.quant import Allocate, QuantizedMatrix, tensor_to_float32, uses_blas
+from inferno.kernels.quant import QuantizedMatrix, TileStore, tensor_to_float32, uses_blas
 from inferno.kernels.quant_batch import batch_matmul
 from inferno.kv import KVCache
 from inferno.model.ragged import Ragged
@@ -65,12 +65,12 @@ class Projections:
         return views
 
 
-def stack_tensors(tensors: list[gguf.ReaderTensor], allocate: Allocate = np.empty) -> list[QuantizedMatrix]:
+def stack_tensors(tensors: list[gguf.ReaderTensor], store: TileStore | None = None) -> list[QuantizedMatrix]:
     """The tensors as stacked matrices, one per block type and row length, in order of first appearance."""
     kinds: dict[tuple[int, int], list[gguf.ReaderTensor]] = {}
     for t in tensors:
         kinds.setdefault((int(t.tensor_type), int(t.shape[0])), []).append(t)
-    return [QuantizedMatrix.from_tensors(members, allocate) for members in kinds.values()]
+    return [QuantizedMatrix.from_tensors(members, store) for members in kinds.values()]
 
 
 class Weights(Protocol):
@@ -87,9 +87,9 @@ class GGUFWeights:
     """Weights read from the file: norms and biases as float32, matrices repacked into tiles. Keeps
     what it built (`built`, by tensor name or stacked name) for the prepared-model cache."""
 
-    def __init__(self, reader: GGUFReader, config: ModelConfig, allocate: Allocate = np.empty):
+    def __init__(self, reader: GGUFReader, config: ModelConfig, store: TileStore | None = None):
         self._tensors = {t.name: t for t in reader.tensors}
-        self._allocate = allocate
+        self._store = store
         self._architecture = config.architecture
         self.built: dict[str, np.ndarray | QuantizedMatrix] = {}
 
@@ -106,7 +106,7 @@ class GGUFWeights:
         return self.built[name]
 
     def stacked(self, names: list[str]) -> list[QuantizedMatrix]:
-        matrices = stack_tensors([self._tensor(name) for name in names], self._allocate)
+        matrices = stack_tensors([self._tensor(name) for name in names], self._store)
         self.built |= {m.name: m for m in matrices}
         return matrices
 
@@ -165,12 +165,12 @@ class Transformer:
         return cls.from_weights(*cls.weights_of(reader))
 
     @staticmethod
-    def weights_of(reader: GGUFReader, allocate: Allocate = np.empty) -> tuple[ModelConfig, GGUFWeights]:
+    def weights_of(reader: GGUFReader, store: TileStore | None = None) -> tuple[ModelConfig, GGUFWeights]:
         """The file's config and its weights, once the file is checked to hold what the config needs.
-        allocate(shape, dtype): where the matrices' tiles are built."""
+        store: where the matrices' tiles are built (in memory by default)."""
         config = ModelConfig.from_gguf(reader)
         check_model_file(reader, config)
-        return config, GGUFWeights(reader, config, allocate)
+        return config, GGUFWeights(reader, config, store)
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: Weights) -> Transformer:
