@@ -252,7 +252,8 @@ def test_a_full_disk_is_no_crash(cache_dir, model_file, monkeypatch):
 def test_a_write_failing_halfway_or_an_entry_gone_before_it_is_read_builds_in_memory(cache_dir, model_file,
                                                                                       monkeypatch):
     """The tiles written so far are only in the file: when the entry cannot be finished (an I/O error
-    on the third write) or read back (another process deleted it), they are built again, in memory."""
+    on the third write, in the writer thread) or read back (another process deleted it), they are
+    built again, in memory."""
     reference = prepared.load(model_file)
     entry = prepared.entry_path(model_file)
     entry.unlink()
@@ -267,7 +268,7 @@ def test_a_write_failing_halfway_or_an_entry_gone_before_it_is_read_builds_in_me
 
     monkeypatch.setattr(os, "pwrite", failing)
     rebuilt = prepared.load(model_file)
-    assert len(writes) == 3 and rebuilt.cache == "off" and not entry.exists()  # none after the failure
+    assert len(writes) >= 3 and rebuilt.cache == "off" and not entry.exists()
     assert not list(cache_dir.glob("*.tmp"))  # the half-written entry is deleted
     same_model(reference, rebuilt)
     monkeypatch.setattr(os, "pwrite", pwrite)

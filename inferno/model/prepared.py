@@ -26,6 +26,7 @@ import mmap
 import os
 import sys
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from stat import S_ISREG
@@ -224,8 +225,10 @@ class _EntryWriter(TileStore):
     """An entry being written, under a temporary name until `finish` names it, so a reader sees the old
     entry or the new one, never half of one.
 
-    The weights' tiles are written with pwrite, each run of tiles built in a scratch buffer first, and
-    the model that runs is then read from the finished entry, as every later start reads it. Written
+    The weights' tiles are written with pwrite, each run of tiles built in a scratch buffer first and
+    written by a thread of its own while the next run is built (the copy into new page-cache pages is
+    the slow part of a first start), and the model that runs is then read from the finished entry, as
+    every later start reads it. Written
     so, the entry's pages sit in the page cache as large folios, which a mapping of the file reaches
     through 2 MiB page-table entries: decode reads its weights with far fewer TLB misses than on the
     4 KiB pages that building the tiles in a mapping of the file left (docs/LOG.md has the figures). No
@@ -237,7 +240,12 @@ class _EntryWriter(TileStore):
         self.entry, self.tmp, self._fd = entry, tmp, fd
         self._end = mmap.PAGESIZE  # the first array's offset: after MAGIC and the header's place
         self._placeholders: list[tuple[int, int, int]] = []  # (address, bytes, offset in the file)
-        self._scratch = np.empty(0, np.uint8)
+        # Two scratch buffers: one is written to the file (in the writer thread, outside Python's lock)
+        # while the next run of tiles is built in the other.
+        self._scratch = [np.empty(0, np.uint8), np.empty(0, np.uint8)]
+        self._pending: list[Future | None] = [None, None]
+        self._turn = 0
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="entry-writer")
         self._failed = False  # a write failed: no entry
 
     @classmethod
@@ -281,14 +289,23 @@ class _EntryWriter(TileStore):
         if at is None:  # a real array
             yield tiles
             return
-        if self._scratch.size < tiles.nbytes:
-            self._scratch = np.empty(tiles.nbytes, np.uint8)
-        scratch = self._scratch[: tiles.nbytes].reshape(tiles.shape)
+        turn, self._turn = self._turn, 1 - self._turn
+        self._settle(turn)  # its last run is in the file
+        if self._scratch[turn].size < tiles.nbytes:
+            self._scratch[turn] = np.empty(tiles.nbytes, np.uint8)
+        scratch = self._scratch[turn][: tiles.nbytes].reshape(tiles.shape)
         yield scratch
         if not self._failed:
+            self._pending[turn] = self._writer.submit(self._write, scratch.reshape(-1), at)
+
+    def _settle(self, turn: int) -> None:
+        """Wait for the write from scratch buffer `turn`; a failed one (an I/O error) means no entry, and
+        `load` then builds the model in memory."""
+        pending, self._pending[turn] = self._pending[turn], None
+        if pending is not None:
             try:
-                self._write(scratch.reshape(-1), at)
-            except OSError:  # an I/O error: `finish` writes no entry, and `load` builds in memory
+                pending.result()
+            except OSError:
                 self._failed = True
 
     def _place_of(self, array: np.ndarray) -> int | None:
@@ -302,6 +319,9 @@ class _EntryWriter(TileStore):
     def finish(self, built: dict, prepared: Prepared, ident: dict) -> bool:
         """Write what is not in the file yet (vectors, the tokenizer) and the header, and name the
         entry. False (and no entry) when that fails."""
+        for turn in (0, 1):
+            self._settle(turn)
+        self._writer.shutdown()
         if self._failed:
             self.abandon()
             return False
@@ -335,6 +355,7 @@ class _EntryWriter(TileStore):
 
     def abandon(self) -> None:
         """Delete the half-written entry."""
+        self._writer.shutdown(cancel_futures=True)
         if self._fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
