@@ -21,12 +21,9 @@ Compilation. Kernels are built per GGML type on first use (see `_kernels`) and c
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import mmap
-import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import NamedTuple
 
 import gguf
@@ -43,7 +40,7 @@ from inferno.kernels.jit import njit
 from inferno.kernels.llvm_ir import prefetch_ahead
 from inferno.kernels.nibble_dots import ACTIVATIONS, PACKED, integer_activations, quant_dots, sums_size
 from inferno.kernels.nibble_dots import LANES as NIBBLE_LANES
-from inferno.kernels.repack import TILE_BYTES, repack
+from inferno.kernels.repack import IN_MEMORY, TILE_BYTES, TileStore, read_tiles
 from inferno.kernels.sharing import in_spans
 
 TILE_ROWS = 32  # lanes per tile: full SIMD loops, yet enough tiles to share small matrices between threads
@@ -51,7 +48,6 @@ WIDE_TILE_ROWS = 64  # for 4-bit blocks, whose matvec measured 1.2x faster on 64
 MATMUL_CHUNK_BYTES = 8 << 20  # float32 scratch holding one chunk of dequantized rows in matmul
 SPAN_BYTES = 128 << 10  # at most this much of W.T written between two spans (a core's cache holds it)
 MATMUL_MIN_ROWS = 8  # below this many rows of x, matvec per row beats dequantizing the weight for BLAS
-LOAD_WINDOW_BYTES = 64 << 20  # file bytes mapped at a time while repacking
 
 SUPPORTED = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0,
              QType.Q5_1, QType.Q4_K, QType.Q5_K, QType.Q6_K)
@@ -95,15 +91,12 @@ class QuantizedMatrix:
         return cls.from_tensors([tensor])
 
     @classmethod
-    def from_tensors(
-        cls, tensors: list[gguf.ReaderTensor], store: TileStore | None = None
-    ) -> QuantizedMatrix:
+    def from_tensors(cls, tensors: list[gguf.ReaderTensor], store: TileStore = IN_MEMORY) -> QuantizedMatrix:
         """The rows of several weights of one block type and row length, one weight after another,
         each starting on a tile boundary (see `parts`): one kernel call computes them all.
 
         store: where the tiles are built (in memory by default; the prepared-model cache builds them in
         its file)."""
-        store = store or IN_MEMORY
         shapes = [_matrix_shape(t) for t in tensors]
         qtype, cols = shapes[0][0], shapes[0][2]
         if any((q, c) != (qtype, cols) for q, _, c in shapes):
@@ -112,7 +105,7 @@ class QuantizedMatrix:
         tiles = store.empty(shape)
         lanes = shape[3]
         for tensor, (first, rows) in zip(tensors, parts, strict=True):
-            _read_tiles(tensor, rows, tiles[first // lanes : (first + rows + lanes - 1) // lanes], store)
+            read_tiles(tensor, rows, tiles[first // lanes : (first + rows + lanes - 1) // lanes], store)
         return cls.from_tiles([t.name for t in tensors], qtype, cols, tiles, parts)
 
     @classmethod
@@ -283,63 +276,6 @@ def tile_layout(qtype: QType, rows: list[int], cols: int) -> tuple[tuple[int, ..
         parts.append((first * lanes, n))
         first += -(-n // lanes)
     return (first, cols // block, type_size, lanes), parts
-
-
-class TileStore:
-    """Where matrices' tiles are built: here, in memory. The prepared-model cache's writer builds them
-    in its file instead (inferno.model.prepared), which is why tiles are written through `writing`."""
-
-    def empty(self, shape: tuple[int, ...]) -> np.ndarray:
-        """An uninitialized uint8 array of `shape`, for a matrix's tiles."""
-        return np.empty(shape, np.uint8)
-
-    @contextlib.contextmanager
-    def writing(self, tiles: np.ndarray) -> Iterator[np.ndarray]:
-        """Where to build `tiles` (a run of tiles of an array `empty` gave): the array itself, here."""
-        yield tiles
-
-
-IN_MEMORY = TileStore()
-
-
-def _read_tiles(tensor: gguf.ReaderTensor, rows: int, tiles: np.ndarray, store: TileStore) -> None:
-    """Fill tiles uint8[tiles, blocks, type_size, lanes] (through `store`) with the tensor's blocks,
-    zero rows padding the last tile."""
-    ntiles, nblocks, _, lanes = tiles.shape
-    qtype = int(tensor.tensor_type)
-    type_size = gguf.GGML_QUANT_SIZES[QType(qtype)][1]  # the file's
-    row_bytes = nblocks * type_size
-    step = max(1, LOAD_WINDOW_BYTES // (lanes * row_bytes))  # tiles per window
-    for t in range(0, ntiles, step):
-        n = min(step, ntiles - t)
-        count = min(n * lanes, rows - t * lanes)
-        with _tensor_bytes(tensor, t * lanes * row_bytes, count * row_bytes) as raw, \
-                store.writing(tiles[t : t + n]) as out:
-            repack(raw.reshape(count, nblocks, type_size), out, qtype)
-
-
-@contextlib.contextmanager
-def _tensor_bytes(tensor: gguf.ReaderTensor, start: int, length: int) -> Iterator[np.ndarray]:
-    """uint8[length]: the tensor's bytes from `start`. From the file, through a mapping of just these
-    bytes whose pages are dropped afterwards: pages touched in the reader's own map would stay resident
-    next to the repacked copy, doubling the model's memory, and read() into a buffer copies every byte
-    once more. A tensor not in a file (a reader over bytes) gives a view of its array."""
-    array = tensor.data
-    while isinstance(array, np.ndarray) and not (isinstance(array, np.memmap) and array.filename):
-        array = array.base
-    if not isinstance(array, np.memmap):
-        yield np.ascontiguousarray(tensor.data).view(np.uint8).reshape(-1)[start : start + length]
-        return
-    at = int(tensor.data_offset) + start
-    page = at - at % mmap.ALLOCATIONGRANULARITY
-    with open(array.filename, "rb") as f:
-        if os.fstat(f.fileno()).st_size < at + length:
-            raise InfernoError(f"tensor {tensor.name}: file ends inside the tensor's data")
-        window = mmap.mmap(f.fileno(), at + length - page, access=mmap.ACCESS_READ, offset=page)
-    try:
-        yield np.frombuffer(window, np.uint8, length, at - page)
-    finally:
-        window.madvise(mmap.MADV_DONTNEED)  # out of this process's memory (the page cache keeps them)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,14 +1,23 @@
 """A weight's blocks as the file holds them -> the tiles the kernels read (inferno.quant's Layout): each
-row's blocks moved to a lane, and the packed types' values regrouped (inferno.nibble_dots.Packing).
+row's blocks moved to a lane, and the packed types' values regrouped (inferno.nibble_dots.Packing);
+`read_tiles` reads a tensor a window of the file at a time into a `TileStore`.
 
 One pass in a parallel kernel over a chunk of rows read from the file: numpy's reshapes and stacks took
 several temporary copies of every weight, most of the load time of a 1.5B model."""
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+import os
+from collections.abc import Iterator
+
+import gguf
 import numpy as np
+from gguf import GGMLQuantizationType as QType
 from numba import prange
 
+from inferno.errors import InfernoError
 from inferno.kernels.ggml import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K
 from inferno.kernels.jit import njit
 from inferno.kernels.nibble_dots import PACKED
@@ -16,6 +25,7 @@ from inferno.kernels.nibble_dots import PACKED
 # Repacked blocks are this many bytes (the others as many as the file's): Q4_K's and Q5_K's 6-bit
 # scales and minimums take a byte each.
 TILE_BYTES = {Q4_K: 148, Q5_K: 180}
+LOAD_WINDOW_BYTES = 64 << 20  # file bytes mapped at a time while repacking
 _QS_Q4_0, _QS_Q4_1 = PACKED[Q4_0].quads, PACKED[Q4_1].quads
 _PLANES_Q5_0, _PLANES_Q5_1 = PACKED[Q5_0].planes, PACKED[Q5_1].planes
 
@@ -133,3 +143,60 @@ def _q6_k(src, dst, lane, at):
                 for k in range(4):
                     plane |= ((src[128 + 32 * h + 16 * p + 4 * k + i] >> (2 * s)) & 3) << (2 * k)
                 _put(dst, 34 + 24 * j, p, i, at, np.uint8(plane))
+
+
+class TileStore:
+    """Where matrices' tiles are built: here, in memory. The prepared-model cache's writer builds them
+    in its file instead (inferno.model.prepared), which is why tiles are written through `writing`."""
+
+    def empty(self, shape: tuple[int, ...]) -> np.ndarray:
+        """An uninitialized uint8 array of `shape`, for a matrix's tiles."""
+        return np.empty(shape, np.uint8)
+
+    @contextlib.contextmanager
+    def writing(self, tiles: np.ndarray) -> Iterator[np.ndarray]:
+        """Where to build `tiles` (a run of tiles of an array `empty` gave): the array itself, here."""
+        yield tiles
+
+
+IN_MEMORY = TileStore()
+
+
+def read_tiles(tensor: gguf.ReaderTensor, rows: int, tiles: np.ndarray, store: TileStore) -> None:
+    """Fill tiles uint8[tiles, blocks, type_size, lanes] (through `store`) with the tensor's blocks,
+    zero rows padding the last tile."""
+    ntiles, nblocks, _, lanes = tiles.shape
+    qtype = int(tensor.tensor_type)
+    type_size = gguf.GGML_QUANT_SIZES[QType(qtype)][1]  # the file's
+    row_bytes = nblocks * type_size
+    step = max(1, LOAD_WINDOW_BYTES // (lanes * row_bytes))  # tiles per window
+    for t in range(0, ntiles, step):
+        n = min(step, ntiles - t)
+        count = min(n * lanes, rows - t * lanes)
+        with _tensor_bytes(tensor, t * lanes * row_bytes, count * row_bytes) as raw, \
+                store.writing(tiles[t : t + n]) as out:
+            repack(raw.reshape(count, nblocks, type_size), out, qtype)
+
+
+@contextlib.contextmanager
+def _tensor_bytes(tensor: gguf.ReaderTensor, start: int, length: int) -> Iterator[np.ndarray]:
+    """uint8[length]: the tensor's bytes from `start`. From the file, through a mapping of just these
+    bytes whose pages are dropped afterwards: pages touched in the reader's own map would stay resident
+    next to the repacked copy, doubling the model's memory, and read() into a buffer copies every byte
+    once more. A tensor not in a file (a reader over bytes) gives a view of its array."""
+    array = tensor.data
+    while isinstance(array, np.ndarray) and not (isinstance(array, np.memmap) and array.filename):
+        array = array.base
+    if not isinstance(array, np.memmap):
+        yield np.ascontiguousarray(tensor.data).view(np.uint8).reshape(-1)[start : start + length]
+        return
+    at = int(tensor.data_offset) + start
+    page = at - at % mmap.ALLOCATIONGRANULARITY
+    with open(array.filename, "rb") as f:
+        if os.fstat(f.fileno()).st_size < at + length:
+            raise InfernoError(f"tensor {tensor.name}: file ends inside the tensor's data")
+        window = mmap.mmap(f.fileno(), at + length - page, access=mmap.ACCESS_READ, offset=page)
+    try:
+        yield np.frombuffer(window, np.uint8, length, at - page)
+    finally:
+        window.madvise(mmap.MADV_DONTNEED)  # out of this process's memory (the page cache keeps them)

@@ -38,7 +38,8 @@ from gguf import GGMLQuantizationType as QType
 from inferno.errors import InfernoError
 from inferno.file.config import ModelConfig
 from inferno.file.reader import open_gguf
-from inferno.kernels.quant import QuantizedMatrix, TileStore
+from inferno.kernels.quant import QuantizedMatrix
+from inferno.kernels.repack import IN_MEMORY, TileStore
 from inferno.kv.snapshot import model_fingerprint
 from inferno.model.transformer import Transformer
 from inferno.model.validate import check_config, expected_tensors
@@ -148,7 +149,7 @@ def _load(model_path: str | os.PathLike) -> Prepared:
             pass
     writer = _EntryWriter.open(entry) if entry is not None else None
     try:
-        prepared, built = _build(model_path, writer)
+        prepared, built = _build(model_path, writer or IN_MEMORY)
     except BaseException:
         if writer:
             writer.abandon()
@@ -164,7 +165,7 @@ def _load(model_path: str | os.PathLike) -> Prepared:
         prepared.model, prepared.cache, prepared.cache_bytes = written.model, "miss", written.cache_bytes
         _evict(entry.parent, limit, keep=entry)
     elif writer.deferred:  # some tiles were only in the entry: build them again, in memory
-        prepared.model = _build(model_path, None)[0].model
+        prepared.model = _build(model_path, IN_MEMORY)[0].model
     prepared.parts_ms["cache_write"] = (perf_counter() - t) * 1000
     return prepared
 
@@ -203,9 +204,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _build(model_path: str | os.PathLike, store: TileStore | None) -> tuple[Prepared, dict]:
-    """The model from the file, its matrices' tiles built in `store` (None: in memory), and what its
-    weights were built into (by tensor name)."""
+def _build(model_path: str | os.PathLike, store: TileStore) -> tuple[Prepared, dict]:
+    """The model from the file, its matrices' tiles built in `store`, and what its weights were built
+    into (by tensor name)."""
     t0 = perf_counter()
     reader = open_gguf(model_path)
     config, weights = Transformer.weights_of(reader, store)
@@ -228,13 +229,12 @@ class _EntryWriter(TileStore):
     The weights' tiles are written with pwrite, each run of tiles built in a scratch buffer first and
     written by a thread of its own while the next run is built (the copy into new page-cache pages is
     the slow part of a first start), and the model that runs is then read from the finished entry, as
-    every later start reads it. Written
-    so, the entry's pages sit in the page cache as large folios, which a mapping of the file reaches
-    through 2 MiB page-table entries: decode reads its weights with far fewer TLB misses than on the
-    4 KiB pages that building the tiles in a mapping of the file left (docs/LOG.md has the figures). No
-    mapping of the file may be open meanwhile (it slowed the writes several times), so while the file is
-    written `empty` hands out placeholders (untouched anonymous memory, which costs nothing) that say
-    where each matrix goes."""
+    every later start reads it. Written so, the entry's pages sit in the page cache as large folios,
+    which a mapping of the file reaches through 2 MiB page-table entries: decode reads its weights with
+    far fewer TLB misses than on the 4 KiB pages that building the tiles in a mapping of the file left
+    (docs/LOG.md has the figures). No mapping of the file may be open meanwhile (it slowed the writes
+    several times), so while the file is written `empty` hands out placeholders (untouched anonymous
+    memory, which costs nothing) that say where each matrix goes."""
 
     def __init__(self, entry: Path, tmp: Path, fd: int):
         self.entry, self.tmp, self._fd = entry, tmp, fd

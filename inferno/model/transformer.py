@@ -23,8 +23,9 @@ from gguf import GGUFReader
 from inferno.errors import InfernoError
 from inferno.file.config import ModelConfig
 from inferno.kernels import ops
-from inferno.kernels.quant import QuantizedMatrix, TileStore, tensor_to_float32, uses_blas
+from inferno.kernels.quant import QuantizedMatrix, tensor_to_float32, uses_blas
 from inferno.kernels.quant_batch import batch_matmul
+from inferno.kernels.repack import IN_MEMORY, TileStore
 from inferno.kv import KVCache
 from inferno.model.ragged import Ragged
 from inferno.model.validate import check_finite_weights, check_model_file
@@ -65,7 +66,7 @@ class Projections:
         return views
 
 
-def stack_tensors(tensors: list[gguf.ReaderTensor], store: TileStore | None = None) -> list[QuantizedMatrix]:
+def stack_tensors(tensors: list[gguf.ReaderTensor], store: TileStore = IN_MEMORY) -> list[QuantizedMatrix]:
     """The tensors as stacked matrices, one per block type and row length, in order of first appearance."""
     kinds: dict[tuple[int, int], list[gguf.ReaderTensor]] = {}
     for t in tensors:
@@ -87,7 +88,7 @@ class GGUFWeights:
     """Weights read from the file: norms and biases as float32, matrices repacked into tiles. Keeps
     what it built (`built`, by tensor name or stacked name) for the prepared-model cache."""
 
-    def __init__(self, reader: GGUFReader, config: ModelConfig, store: TileStore | None = None):
+    def __init__(self, reader: GGUFReader, config: ModelConfig, store: TileStore = IN_MEMORY):
         self._tensors = {t.name: t for t in reader.tensors}
         self._store = store
         self._architecture = config.architecture
@@ -165,7 +166,7 @@ class Transformer:
         return cls.from_weights(*cls.weights_of(reader))
 
     @staticmethod
-    def weights_of(reader: GGUFReader, store: TileStore | None = None) -> tuple[ModelConfig, GGUFWeights]:
+    def weights_of(reader: GGUFReader, store: TileStore = IN_MEMORY) -> tuple[ModelConfig, GGUFWeights]:
         """The file's config and its weights, once the file is checked to hold what the config needs.
         store: where the matrices' tiles are built (in memory by default)."""
         config = ModelConfig.from_gguf(reader)
