@@ -11,6 +11,7 @@ from __future__ import annotations
 import codecs
 import json
 import re
+from collections.abc import Container
 from functools import cache, cached_property
 
 import gguf
@@ -123,10 +124,10 @@ class GGUFTokenizer:
         stop_ids: frozenset[int],
         special_tokens: dict[str, str],
         chat_template: str | None,
-        merges: list[str] | None = None,
+        tokenizer_json: str | None = None,
     ) -> None:
         self._tokenizer = tokenizer
-        self._merges = merges  # "left right", as the BPE model was given them (only for `to_state`)
+        self._json = tokenizer_json  # what `tokenizer` was built from, when it was (for `to_state`)
         self._tokens = tokens
         self._pieces = pieces  # SentencePiece's pieces (▁ for a space); None: byte-level, spelled in tokens
         self._byte_values = byte_values  # SentencePiece's <0xNN> byte tokens: id -> byte
@@ -162,19 +163,18 @@ class GGUFTokenizer:
 
         ids = {name: token_id(name) for name in ("bos", "eos", "unknown", "padding", "eot", "eom")}
         named = {var: ids[name] for var, name in _TEMPLATE_NAMES.items() if ids[name] is not None}
-
+        named_ids = set(named.values())
         if model == "gpt2":
-            tokenizer, merges = _byte_level_tokenizer(reader, tokens)
+            tokenizer, tokenizer_json = _byte_level_tokenizer(reader, tokens, token_types, named_ids)
             pieces, byte_values = None, {}
-            _add_special_tokens(
-                tokenizer, tokens, token_types, set(named.values()), set(_byte_spelling().values())
-            )
             add_bos_default = False
         else:
             tokenizer, pieces = _sentencepiece_tokenizer(reader, tokens, ids["unknown"])
-            merges = None
+            tokenizer_json = None
             byte_values = {i: int(tokens[i][3:5], 16) for i, t in enumerate(token_types) if t == BYTE}
-            _add_special_tokens(tokenizer, tokens, token_types, set(named.values()), None)
+            special, user_defined = _added_tokens(tokens, token_types, named_ids, None, set(pieces))
+            tokenizer.add_special_tokens(special)
+            tokenizer.add_tokens(user_defined)
             add_bos_default = True  # llama.cpp's and transformers' default for SentencePiece files
         stop_ids = {i for i in (ids["eos"], ids["eot"], ids["eom"]) if i is not None}
         stop_ids |= {
@@ -194,7 +194,7 @@ class GGUFTokenizer:
             stop_ids=frozenset(stop_ids),
             special_tokens={var: tokens[i] for var, i in named.items()},
             chat_template=metadata(reader, "tokenizer.chat_template", expected=str),
-            merges=merges,
+            tokenizer_json=tokenizer_json,
         )
 
     def to_state(self) -> tuple[dict, str]:
@@ -209,7 +209,7 @@ class GGUFTokenizer:
             "special_tokens": self._special_tokens,
             "chat_template": self._chat_template,
         }
-        return state, _merges_as_strings(self._tokenizer.to_str(), self._merges)
+        return state, self._json or _merges_as_strings(self._tokenizer.to_str())
 
     @classmethod
     def from_state(cls, state: dict, tokenizer_json: str) -> GGUFTokenizer:
@@ -230,6 +230,7 @@ class GGUFTokenizer:
             stop_ids=frozenset(int(i) for i in state["stop_ids"]),
             special_tokens=dict(state["special_tokens"]),
             chat_template=state["chat_template"],
+            tokenizer_json=tokenizer_json,
         )
 
     def encode(self, text: str, context: int | None = None) -> list[int]:
@@ -338,23 +339,19 @@ class StreamDecoder:
         return self._utf8.decode(b"", final=True)
 
 
-def _merges_as_strings(tokenizer_json: str, merges: list[str] | None = None) -> str:
+def _merges_as_strings(tokenizer_json: str) -> str:
     """The `tokenizers` JSON with its BPE merges written "left right" (its older format, which it still
     reads, and a quarter faster) instead of [left, right], when no token in them holds a space. Only
     the merges are rewritten: `"merges":` can only be the model's key (a quote inside a JSON string is
-    escaped).
-
-    merges: the "left right" strings the model was built from, when known: the JSON's merges are then
-    those, in that order, if there are as many, and are not taken apart and joined again."""
+    escaped)."""
     keys = list(re.finditer(r'"merges":\s*', tokenizer_json))
     if len(keys) != 1:
         return tokenizer_json
     pairs, end = json.JSONDecoder().raw_decode(tokenizer_json, keys[0].end())
     if not isinstance(pairs, list):
         return tokenizer_json
-    if merges is None or len(merges) != len(pairs):
-        valid = all(isinstance(m, list) and len(m) == 2 and all(isinstance(p, str) for p in m) for m in pairs)
-        merges = [" ".join(m) for m in pairs] if valid else []
+    valid = all(isinstance(m, list) and len(m) == 2 and all(isinstance(p, str) for p in m) for m in pairs)
+    merges = [" ".join(m) for m in pairs] if valid else []
     if not merges or not all(map(_one_space, merges)):
         return tokenizer_json
     return tokenizer_json[: keys[0].end()] + json.dumps(merges, ensure_ascii=False) + tokenizer_json[end:]
@@ -365,8 +362,15 @@ def _one_space(merge: str) -> bool:
     return merge.count(" ") == 1 and not merge.startswith(" ") and not merge.endswith(" ")
 
 
-def _byte_level_tokenizer(reader: gguf.GGUFReader, tokens: list[str]) -> tuple[Tokenizer, list[str]]:
-    """The tokenizer, and the merges it was built from."""
+def _byte_level_tokenizer(
+    reader: gguf.GGUFReader, tokens: list[str], token_types: list[int], named: set[int]
+) -> tuple[Tokenizer, str]:
+    """The tokenizer, and the `tokenizers` JSON it was built from: the prepared-model cache stores that
+    JSON, and a later start builds the same tokenizer from it the same way (Tokenizer.from_str).
+
+    `tokenizers` writes every part of the JSON but the vocabulary and merges itself, for a model holding
+    only the added tokens (which take their ids from it); the file's vocabulary and merges go in as they
+    are, instead of through a full model that would then be written out and parsed again."""
     pre = metadata(reader, "tokenizer.ggml.pre", "default", expected=str)
     if pre not in PRE_TOKENIZER_SPLITS:
         raise InfernoError(
@@ -376,29 +380,55 @@ def _byte_level_tokenizer(reader: gguf.GGUFReader, tokens: list[str]) -> tuple[T
     if not merges:
         raise InfernoError("GGUF tokenizer has no merges")
     split = PRE_TOKENIZER_SPLITS[pre]
-    # A token not spelled in the byte alphabet is respelled into it, as transformers does, so BPE can reach it
-    spelling = _byte_spelling()
-    alphabet = set(spelling.values())
-    vocab = {
-        token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): i
-        for i, token in enumerate(tokens)
-    }
-    try:
-        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False)
-    except Exception as exc:  # the Rust side reports a merge naming an unknown token this way
-        raise InfernoError(f"GGUF tokenizer is inconsistent: {exc}") from None
-    tokenizer = Tokenizer(bpe)
+    vocab = _byte_level_vocab(tokens)
+    special, user_defined = _added_tokens(tokens, token_types, named, set(_byte_spelling().values()), vocab)
+    added = {t.content: vocab[t.content] for t in special + user_defined}
+    skeleton = Tokenizer(models.BPE(vocab=added, merges=[], fuse_unk=False))
     if split is None:
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        skeleton.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        skeleton.pre_tokenizer = pre_tokenizers.Sequence(
             [
                 pre_tokenizers.Split(Regex(split), behavior="isolated"),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
-    tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer, merges
+    skeleton.decoder = decoders.ByteLevel()
+    skeleton.add_special_tokens(special)
+    skeleton.add_tokens(user_defined)
+    spec = json.loads(skeleton.to_str())
+    # "left right" is the older form of a merge, which `tokenizers` still reads, and a quarter faster
+    spec["model"].update(vocab=vocab, merges=merges if _all_one_space(merges) else
+                         [m.split(" ", 1) for m in merges])
+    tokenizer_json = json.dumps(spec, ensure_ascii=False)
+    try:
+        return Tokenizer.from_str(tokenizer_json), tokenizer_json
+    except Exception as exc:  # the Rust side reports a merge naming an unknown token this way
+        raise InfernoError(f"GGUF tokenizer is inconsistent: {exc}") from None
+
+
+_SPELLED = re.compile(r"\A[" + re.escape("".join(_byte_spelling().values())) + r"]*\Z")
+
+
+def _byte_level_vocab(tokens: list[str]) -> dict[str, int]:
+    """Token -> id. A token not spelled in the byte alphabet is respelled into it, as transformers does,
+    so BPE can reach it; one match over all the tokens finds the common case of none."""
+    if _SPELLED.match("".join(tokens)):
+        return {token: i for i, token in enumerate(tokens)}
+    spelling = _byte_spelling()
+    alphabet = set(spelling.values())
+    return {
+        token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): i
+        for i, token in enumerate(tokens)
+    }
+
+
+def _all_one_space(merges: list[str]) -> bool:
+    """Every merge is "left right" with one space (one regex pass instead of a check per merge)."""
+    joined = "\n".join(merges)
+    if joined.count("\n") != len(merges) - 1:  # a merge holding a newline: merge by merge
+        return all(map(_one_space, merges))
+    return re.search(r"^[^ \n]*$|^ | $| [^ \n]* ", joined, re.MULTILINE) is None
 
 
 def _sentencepiece_tokenizer(
@@ -456,29 +486,30 @@ def _merges_from_vocabulary(vocab: dict[str, int], priority: dict[str, float]) -
     return [(left, right) for _, _, _, left, right in ranked]
 
 
-def _add_special_tokens(
-    tokenizer: Tokenizer,
+def _added_tokens(
     tokens: list[str],
     token_types: list[int],
     named: set[int],
     alphabet: set[str] | None,
-) -> None:
-    """Make control tokens, BOS/EOS/UNK/PAD and user-defined tokens match whole in text.
+    vocab: Container[str],
+) -> tuple[list[AddedToken], list[AddedToken]]:
+    """The special and the user-defined tokens that match whole in text: control tokens, BOS/EOS/UNK/PAD
+    (special), and user-defined ones.
 
     In a byte-level vocabulary (alphabet given) a control token spelled outside the byte alphabet is a
     mislabelled piece of text, not a marker: transformers leaves it to BPE, and so do we. A user-defined
-    token is added only when the model's vocabulary holds it as written: one that had to be respelled
-    (Gemma's runs of spaces, now ▁▁...) is left to the merges, as transformers does.
+    token is added only when the model's vocabulary (`vocab`) holds it as written: one that had to be
+    respelled (Gemma's runs of spaces, now ▁▁...) is left to the merges, as transformers does.
     """
     special = [
         AddedToken(token, normalized=False, special=True)
         for i, (token, token_type) in enumerate(zip(tokens, token_types, strict=True))
         if (token_type == CONTROL or i in named) and (alphabet is None or set(token) <= alphabet)
     ]
-    tokenizer.add_special_tokens(special)
+    contents = {t.content for t in special}
     user_defined = [
         AddedToken(token, normalized=False, special=False)
         for token, token_type in zip(tokens, token_types, strict=True)
-        if token_type == USER_DEFINED and tokenizer.token_to_id(token) is not None
+        if token_type == USER_DEFINED and (token in vocab or token in contents)
     ]
-    tokenizer.add_tokens(user_defined)
+    return special, user_defined
