@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from conftest import FIXTURES
 
+from inferno.errors import InfernoError
 from inferno.file.reader import metadata, open_gguf
 
 
@@ -44,6 +45,7 @@ def test_every_kind_of_array(tmp_path):
     writer.add_array("test.floats", [0.5, -2.25])
     writer.add_array("test.bools", [True, False, True])
     writer.add_array("test.nested", [[1, 2], [3]])
+    writer.add_array("test.nul", ["a\0b", "", "\0", "c"])  # decoded one by one: a NUL splits no string
     writer.add_string("test.after", "still in step")
     writer.add_tensor("w", np.arange(64, dtype=np.float32).reshape(2, 32))
     writer.write_header_to_file()
@@ -57,4 +59,24 @@ def test_every_kind_of_array(tmp_path):
     assert metadata(reader, "test.ints") == [3, -1, 7]
     assert metadata(reader, "test.bools") == [True, False, True]
     assert metadata(reader, "test.after") == "still in step"
+    assert metadata(reader, "test.nul") == ["a\0b", "", "\0", "c"]
+    assert reader.fields["test.strings"].contents(2) == "héllo"
+    assert reader.fields["test.strings"].contents(slice(1, 3)) == ["a", "héllo"]
     np.testing.assert_array_equal(reader.tensors[0].data, np.arange(64, dtype=np.float32).reshape(2, 32))
+
+
+def test_text_that_is_not_utf8_is_refused_as_the_stock_reader_refuses_it(tmp_path):
+    path = tmp_path / "latin1.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("test.strings", [b"ok", b"caf\xe9"])
+    writer.add_tensor("w", np.zeros((1, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for reader in (gguf.GGUFReader(path), open_gguf(path)):
+        with pytest.raises(UnicodeDecodeError):
+            reader.fields["test.strings"].contents()
+        assert reader.fields["test.strings"].contents(0) == "ok"
+    with pytest.raises(InfernoError, match="not valid UTF-8"):
+        metadata(open_gguf(path), "test.strings")

@@ -127,10 +127,29 @@ class _ArrayParts(Sequence):
         if isinstance(index_or_slice, int):
             k = range(self._count)[index_or_slice]
             return bytes(self._data[starts[k] + 8 : starts[k + 1]]).decode("utf-8")
+        ks = range(self._count)[index_or_slice]
+        every = self._every_string() if ks == range(self._count) else None
+        if every is not None:
+            return every
         base = starts[0]
         raw = self._data[base : starts[-1]].tobytes()
-        ks = range(self._count)[index_or_slice]
         return [raw[starts[k] + 8 - base : starts[k + 1] - base].decode("utf-8") for k in ks]
+
+    def _every_string(self) -> list[str] | None:
+        """All the strings, decoded at once: each length becomes a NUL, which UTF-8 text never holds
+        but as itself, and the text is split there. None when a string holds a NUL or is not UTF-8 (the
+        strings are then decoded one by one, which says which)."""
+        base = self.starts[0]
+        region = self._data[base : self.starts[-1]].copy()
+        at = np.asarray(self.starts[:-1], np.int64) - base
+        region[at] = 0
+        keep = np.ones(len(region), bool)
+        keep[(at[:, None] + np.arange(1, 8)).reshape(-1)] = False
+        try:
+            strings = region[keep].tobytes().decode("utf-8").split("\0")[1:]
+        except UnicodeDecodeError:
+            return None
+        return strings if len(strings) == self._count else None
 
 
 def _string_starts(data: np.ndarray, at: int, count: int) -> list[int]:
