@@ -35,6 +35,7 @@ def repack(raw, tiles, qtype):
     """raw uint8[rows, blocks, file bytes] -> tiles uint8[tile, block, tile bytes, lane]; lanes past
     the rows (the last tile's) are zeros."""
     ntiles, nblocks, _, lanes = tiles.shape
+    words = tiles.reshape(ntiles, nblocks, -1).view(np.uint32)  # each block's tiles as 4-byte words
     for t in prange(ntiles):
         for b in range(nblocks):
             dst = tiles[t, b]
@@ -48,9 +49,9 @@ def repack(raw, tiles, qtype):
                 elif qtype in (Q5_0, Q5_1):
                     _q5(src, dst, lane, at, _PLANES_Q5_1 if qtype == Q5_1 else _PLANES_Q5_0)
                 elif qtype in (Q4_K, Q5_K):
-                    _q4_k(src, dst, lane, at, qtype == Q5_K)
+                    _q4_k(src, dst, words[t, b], lane, at, qtype == Q5_K)
                 elif qtype == Q6_K:
-                    _q6_k(src, dst, lane, at)
+                    _q6_k(src, dst, words[t, b], lane)
                 else:
                     for p in range(src.size):
                         dst[p, lane] = src[p]
@@ -65,12 +66,15 @@ def _put(dst, row, k, i, at, value):
 
 
 @njit(cache=True, inline="always")
-def _nibble_quads(dst, row, at, src, first, shift):
-    """A sub-block's 32 values, value v the nibble at bit `shift` of src[first + v], as nibble quads
-    (byte t holds values t and t + 16)."""
-    for t in range(16):
-        low, high = (src[first + t] >> shift) & 15, (src[first + 16 + t] >> shift) & 15
-        _put(dst, row, t // 4, t % 4, at, np.uint8(low | (high << 4)))
+def _nibble_quad_pair(words, lanes, lane, even_row, odd_row, src_words, first):
+    """Two sub-blocks of 32 values a word at a time: the values of one are the low nibbles of the 32
+    bytes in src_words[first:first + 8], those of the other the high nibbles; each is written at its byte
+    row as nibble quads (byte t holds values t and t + 16). words: the block's tiles [tile bytes, lanes]
+    as uint32 [-1]."""
+    for k in range(4):
+        low, high = src_words[first + k], src_words[first + 4 + k]
+        words[even_row * lanes // 4 + k * lanes + lane] = (low & 0x0F0F0F0F) | ((high & 0x0F0F0F0F) << 4)
+        words[odd_row * lanes // 4 + k * lanes + lane] = ((low >> 4) & 0x0F0F0F0F) | (high & 0xF0F0F0F0)
 
 
 @njit(cache=True)
@@ -107,7 +111,7 @@ def _q5(src, dst, lane, at, planes):
 
 
 @njit(cache=True)
-def _q4_k(src, dst, lane, at, fifth):
+def _q4_k(src, dst, words, lane, at, fifth):
     """d and dmin, the eight 6-bit scales (bytes 4-11) and minimums (12-19) a byte each, then each
     sub-block of 32 values as nibble quads (Q4_K: rows 20 + 16j), and with `fifth` (Q5_K, its nibbles
     after the 32 bytes of qh) as nibble quads and a plane word of its 5th bits (rows 20 + 20j, 36 + 20j)."""
@@ -119,30 +123,35 @@ def _q4_k(src, dst, lane, at, fifth):
         dst[12 + j, lane] = s[4 + j] & 63
         dst[8 + j, lane] = (s[8 + j] & 15) | ((s[j] >> 6) << 4)
         dst[16 + j, lane] = (s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4)
-    for j in range(8):  # sub-blocks 2c and 2c + 1 are the low and high nibbles of bytes 32c..
+    lanes, src_words = dst.shape[1], src.view(np.uint32)
+    for c in range(4):  # sub-blocks 2c and 2c + 1 are the low and high nibbles of bytes 32c.. of qs
         if fifth:  # bit j of qh[v] (bytes 16-47) is the 5th bit of value v of sub-block j
-            _nibble_quads(dst, 20 + 20 * j, at, src, 48 + 32 * (j // 2), 4 * (j % 2))
-            _fifth_bits(dst, 36 + 20 * j, at, src, 16, 1, j)
+            _nibble_quad_pair(words, lanes, lane, 20 + 40 * c, 40 + 40 * c, src_words, 12 + 8 * c)
+            _fifth_bits(dst, 36 + 40 * c, at, src, 16, 1, 2 * c)
+            _fifth_bits(dst, 56 + 40 * c, at, src, 16, 1, 2 * c + 1)
         else:
-            _nibble_quads(dst, 20 + 16 * j, at, src, 16 + 32 * (j // 2), 4 * (j % 2))
+            _nibble_quad_pair(words, lanes, lane, 20 + 32 * c, 36 + 32 * c, src_words, 4 + 8 * c)
 
 
 @njit(cache=True)
-def _q6_k(src, dst, lane, at):
+def _q6_k(src, dst, words, lane):
     """d, the 16 int8 scales, then each sub-block of 32 values (j = 4h + s: values 128h + 32s..) as
     nibble quads and two plane words of its high 2 bits (rows 18 + 24j, 34 + 24j)."""
     dst[0, lane], dst[1, lane] = src[208], src[209]
     for p in range(16):
         dst[2 + p, lane] = src[192 + p]
-    for j in range(8):
-        h, s = j // 4, j % 4  # low 4 bits: nibbles of ql; high 2: bits 2s of qh (bytes 128 + 32h + v)
-        _nibble_quads(dst, 18 + 24 * j, at, src, 64 * h + 32 * (s & 1), 4 * (s // 2))
+    lanes, src_words = dst.shape[1], src[:208].view(np.uint32)
+    for h in range(2):  # low 4 bits: sub-blocks 4h + r and 4h + r + 2 are the nibbles of ql bytes 64h + 32r..
+        for r in range(2):
+            j = 4 * h + r
+            _nibble_quad_pair(words, lanes, lane, 18 + 24 * j, 18 + 24 * (j + 2), src_words, 16 * h + 8 * r)
+    for j in range(8):  # high 2 bits: bits 2s of qh bytes 128 + 32h + v, byte i of word k of a plane
+        h, s = j // 4, j % 4  # holding those of its bytes 4k + i, in bits 2k (all four bytes at once)
         for p in range(2):
-            for i in range(4):
-                plane = 0
-                for k in range(4):
-                    plane |= ((src[128 + 32 * h + 16 * p + 4 * k + i] >> (2 * s)) & 3) << (2 * k)
-                _put(dst, 34 + 24 * j, p, i, at, np.uint8(plane))
+            plane = 0
+            for k in range(4):
+                plane |= ((src_words[32 + 8 * h + 4 * p + k] >> (2 * s)) & 0x03030303) << (2 * k)
+            words[(34 + 24 * j) * lanes // 4 + p * lanes + lane] = plane
 
 
 class TileStore:
