@@ -68,13 +68,13 @@ def rope_by_definition(row: np.ndarray, pos: int, n_heads: int, rope_dim: int, b
 
 @pytest.mark.parametrize("neox", [False, True])
 @pytest.mark.parametrize("rope_dim", [16, 8])
-def test_rope_single_row_is_the_rotation_of_the_definition(neox, rope_dim):
+def test_rope_is_the_rotation_of_the_definition(neox, rope_dim):
     inv_freq = (10000.0 ** (-np.arange(0, rope_dim, 2) / rope_dim)).astype(np.float32)
     np.testing.assert_allclose(rope_frequencies(config(rope_dim, neox)), inv_freq, rtol=1e-6)
     x = rng.standard_normal(64, dtype=np.float32)
     for pos in (0, 1, 17, 299, 4000):
         row = x.copy()
-        ops.rope_single_row(row, pos, 4, inv_freq, neox)
+        ops.rope_at(row[None], np.array([pos]), 4, inv_freq, neox)
         np.testing.assert_allclose(row, rope_by_definition(x, pos, 4, rope_dim, 10000.0, neox), atol=2e-3)
     assert not np.allclose(row, rope_by_definition(x, 4000, 4, rope_dim, 10000.0, not neox), atol=0.1)
 

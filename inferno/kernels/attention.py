@@ -211,8 +211,10 @@ def attention_prefill(
         q_heads = np.empty((group, n, head_dim), np.float32)
         np.multiply(q[t0:t1].reshape(n, n_kv, group, head_dim)[:, h].transpose(1, 0, 2), scale, out=q_heads)
         scores = q_heads.reshape(group * n, head_dim) @ k_heads[h, :, first:visible]
-        causal_softmax(scores, n, first_pos + t0 - first, window or 0)
+        inverse_sums = np.empty((group * n, 1), np.float32)
+        causal_softmax(scores, n, first_pos + t0 - first, window or 0, inverse_sums[:, 0])
         mixed = scores @ v_heads[h, first:visible]  # [group * n, D]
+        mixed *= inverse_sums
         rows = out[t0:t1].reshape(n, n_kv, group, head_dim)
         rows[:, h] = mixed.reshape(group, n, head_dim).transpose(1, 0, 2)
 

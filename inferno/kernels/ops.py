@@ -58,41 +58,53 @@ def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 
 @njit(cache=True, fastmath=True)
-def rope_single_row(row: np.ndarray, pos: int, n_heads: int, inv_freq: np.ndarray, neox: bool) -> None:
-    """Rotate one token's heads in place by the RoPE angles of position `pos`.
-
-    row is [n_heads * head_dim]; inv_freq [rope_dim / 2] holds the rotation frequencies.
-    neox pairs dimension i with i + rope_dim/2; otherwise adjacent dimensions (2i, 2i + 1) pair up.
-    Dimensions past rope_dim (partial RoPE) are left as they are.
-    """
-    head_dim = row.shape[0] // n_heads
-    half = inv_freq.shape[0]
-    for i in range(half):
-        angle = np.float32(pos) * inv_freq[i]
-        c = np.float32(math.cos(angle))
-        s = np.float32(math.sin(angle))
-        a_off = i if neox else 2 * i
-        b_off = i + half if neox else 2 * i + 1
-        for h in range(n_heads):
-            a = row[h * head_dim + a_off]
-            b = row[h * head_dim + b_off]
-            row[h * head_dim + a_off] = a * c - b * s
-            row[h * head_dim + b_off] = b * c + a * s
+def rotations(positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+    """The RoPE rotation of each position: float32 [T, 2, rope_dim / 2], the cosines then the sines of
+    its angles (position t, dimension pair i: positions[t] * inv_freq[i], in float32 as HF computes
+    them). A forward computes them once, for every layer of one RoPE base."""
+    out = np.empty((positions.shape[0], 2, inv_freq.shape[0]), np.float32)
+    for t in range(positions.shape[0]):
+        for i in range(inv_freq.shape[0]):
+            angle = np.float32(positions[t]) * inv_freq[i]
+            out[t, 0, i] = np.float32(math.cos(angle))
+            out[t, 1, i] = np.float32(math.sin(angle))
+    return out
 
 
 @njit(cache=True, fastmath=True)
+def rotate(x: np.ndarray, turns: np.ndarray, n_heads: int, neox: bool) -> None:
+    """RoPE in place: row t of x [T, n_heads * head_dim] turned by turns[t] (`rotations`).
+
+    neox pairs dimension i with i + rope_dim/2; otherwise adjacent dimensions (2i, 2i + 1) pair up.
+    Dimensions past rope_dim (partial RoPE) are left as they are."""
+    head_dim = x.shape[1] // n_heads
+    half = turns.shape[2]
+    for t in range(x.shape[0]):
+        cos, sin = turns[t, 0], turns[t, 1]
+        for h in range(n_heads):
+            row = x[t, h * head_dim : (h + 1) * head_dim]
+            if neox:  # a loop of its own each: constant strides, which LLVM vectorizes
+                first, second = row[:half], row[half : 2 * half]
+                for i in range(half):
+                    a, b = first[i], second[i]
+                    first[i] = a * cos[i] - b * sin[i]
+                    second[i] = b * cos[i] + a * sin[i]
+            else:
+                for i in range(half):
+                    a, b = row[2 * i], row[2 * i + 1]
+                    row[2 * i] = a * cos[i] - b * sin[i]
+                    row[2 * i + 1] = b * cos[i] + a * sin[i]
+
+
 def rope(x: np.ndarray, start_pos: int, n_heads: int, inv_freq: np.ndarray, neox: bool) -> None:
     """RoPE in place for a whole sequence x [T, n_heads * head_dim] at positions start_pos.. ."""
-    for t in range(x.shape[0]):
-        rope_single_row(x[t], start_pos + t, n_heads, inv_freq, neox)
+    rope_at(x, np.arange(start_pos, start_pos + x.shape[0], dtype=np.int64), n_heads, inv_freq, neox)
 
 
-@njit(cache=True, fastmath=True)
 def rope_at(x: np.ndarray, positions: np.ndarray, n_heads: int, inv_freq: np.ndarray, neox: bool) -> None:
     """RoPE in place, row t of x [T, n_heads * head_dim] by the angles of positions[t] (int64, may be
     negative). Rotations compose: rotating a row already at position p by d puts it at p + d."""
-    for t in range(x.shape[0]):
-        rope_single_row(x[t], positions[t], n_heads, inv_freq, neox)
+    rotate(x, rotations(positions, inv_freq), n_heads, neox)
 
 
 @dataclass(frozen=True)
@@ -145,33 +157,31 @@ def row_max(x: np.ndarray, lanes: np.ndarray) -> float:
     return top
 
 
-@njit(cache=True, fastmath=True)
-def softmax(x: np.ndarray) -> None:
-    """Softmax of a 1-D array, in place, shifted by its max for stability."""
-    m = row_max(x, np.empty(MAX_LANES, np.float32))
-    total = np.float32(0.0)
-    for i in range(x.shape[0]):
-        x[i] = exp_f32(x[i] - m)
-        total += x[i]
-    inv = np.float32(1.0 / total)
-    for i in range(x.shape[0]):
-        x[i] *= inv
-
-
 @njit(cache=True, fastmath=True, nogil=True)
-def causal_softmax(scores: np.ndarray, n_queries: int, first_pos: int, window: int) -> None:
-    """Masked softmax in place over scores [rows, keys] of a causal attention block, in the calling
-    thread (a share of kernels.sharing's: several run at once).
+def causal_softmax(scores: np.ndarray, n_queries: int, first_pos: int, window: int, inverse_sums: np.ndarray
+                   ) -> None:
+    """Masked softmax over scores [rows, keys] of a causal attention block, in the calling thread (a
+    share of kernels.sharing's: several run at once), left unnormalised: each row becomes exp(score -
+    its max), and inverse_sums[row] what to multiply it by, which the caller does to the far smaller
+    product of the weights and the values.
 
     Row r belongs to the query at position q = first_pos + r % n_queries, counted from the first key:
     it sees keys q - window + 1 .. q (all of 0 .. q when window is 0) and gets weight exactly 0 on
     every other key.
     """
+    lanes = np.empty(MAX_LANES, np.float32)
     for r in range(scores.shape[0]):
         visible = first_pos + r % n_queries + 1
         first = max(visible - window, 0) if window > 0 else 0
         scores[r, :first] = 0.0
-        softmax(scores[r, first:visible])
+        seen = scores[r, first:visible]
+        top = row_max(seen, lanes)
+        total = np.float32(0.0)
+        for i in range(seen.shape[0]):
+            e = exp_f32(seen[i] - top)
+            seen[i] = e
+            total += e
+        inverse_sums[r] = np.float32(1.0) / total
         scores[r, visible:] = 0.0
 
 

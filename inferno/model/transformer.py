@@ -273,10 +273,14 @@ class Transformer:
         matmul = self._matmul_for(batch.n_tokens)
         c = self.config
         x = self._embed(tokens)
+        turns: dict[int, np.ndarray] = {}  # RoPE base's frequencies -> the tokens' rotations (ops.rotations)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, ops.rmsnorm(x, layer.attn_norm, c.rms_eps), matmul)
-            ops.rope_at(q, batch.positions, c.n_heads, self.layer_inv_freq[i], c.rope_neox)
-            ops.rope_at(k, batch.positions, c.n_kv_heads, self.layer_inv_freq[i], c.rope_neox)
+            inv_freq = self.layer_inv_freq[i]
+            if id(inv_freq) not in turns:
+                turns[id(inv_freq)] = ops.rotations(batch.positions, inv_freq)
+            ops.rotate(q, turns[id(inv_freq)], c.n_heads, c.rope_neox)
+            ops.rotate(k, turns[id(inv_freq)], c.n_kv_heads, c.rope_neox)
             if queries is not None:
                 queries.append(q[-1])
             attn = batch.attend(i, q, k, v, c.n_heads, c.layer_windows[i])
