@@ -14,7 +14,8 @@ import pytest
 
 from inferno.errors import InfernoError
 from inferno.file.reader import open_gguf
-from inferno.text.tokenizer import CONTROL, USER_DEFINED, GGUFTokenizer, StreamDecoder, _merges_as_strings
+from inferno.text.tokenizer import GGUFTokenizer, StreamDecoder
+from inferno.text.vocabulary import CONTROL, USER_DEFINED, merges_as_strings
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = json.loads((ROOT / "tests" / "fixtures" / "tokenizer_smollm2.json").read_text(encoding="utf-8"))
@@ -67,18 +68,18 @@ def test_the_prepared_models_tokenizer_is_the_same_tokenizer(tok: GGUFTokenizer)
 def test_merges_holding_a_space_stay_pairs() -> None:
     """"a b" cannot name the merge of "a b" and "c": such merges keep tokenizers' [left, right] form."""
     spaced = json.dumps({"model": {"type": "BPE", "merges": [["a", "b"], ["a b", "c"]]}})
-    assert _merges_as_strings(spaced) == spaced
+    assert merges_as_strings(spaced) == spaced
     for odd in ([["a", ""]], [["a", 1]], [["a", "b", "c"]], {"a": "b"}, "a b"):  # left as they are
         text = json.dumps({"model": {"type": "BPE", "merges": odd}})
-        assert _merges_as_strings(text) == text
+        assert merges_as_strings(text) == text
     plain = json.dumps({"model": {"type": "BPE", "merges": [["a", "b"], ["ab", "\n"]]}})
-    assert json.loads(_merges_as_strings(plain))["model"]["merges"] == ["a b", "ab \n"]
+    assert json.loads(merges_as_strings(plain))["model"]["merges"] == ["a b", "ab \n"]
 
 
 def test_the_stored_json_is_what_tokenizers_writes(tok: GGUFTokenizer) -> None:
     """The JSON a byte-level tokenizer is built from (and to_state stores) holds what `tokenizers` itself
     writes for that tokenizer, merges "left right": the same vocabulary, merges, added tokens and parts."""
-    assert json.loads(tok.to_state()[1]) == json.loads(_merges_as_strings(tok._tokenizer.to_str()))
+    assert json.loads(tok.to_state()[1]) == json.loads(merges_as_strings(tok._tokenizer.to_str()))
 
 
 def test_decode_matches_transformers(tok: GGUFTokenizer) -> None:
