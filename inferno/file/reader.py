@@ -123,17 +123,14 @@ class _ArrayParts(Sequence):
         from UTF-8 (a UnicodeDecodeError otherwise), as the stock contents() does."""
         if self.values is not None:
             return self.values[index_or_slice].tolist()
-        starts = self.starts
-        if isinstance(index_or_slice, int):
-            k = range(self._count)[index_or_slice]
-            return bytes(self._data[starts[k] + 8 : starts[k + 1]]).decode("utf-8")
         ks = range(self._count)[index_or_slice]
+        if isinstance(ks, int):
+            return self._string(ks)
         every = self._every_string() if ks == range(self._count) else None
-        if every is not None:
-            return every
-        base = starts[0]
-        raw = self._data[base : starts[-1]].tobytes()
-        return [raw[starts[k] + 8 - base : starts[k + 1] - base].decode("utf-8") for k in ks]
+        return every if every is not None else [self._string(k) for k in ks]
+
+    def _string(self, k: int) -> str:
+        return bytes(self._data[self.starts[k] + 8 : self.starts[k + 1]]).decode("utf-8")
 
     def _every_string(self) -> list[str] | None:
         """All the strings, decoded at once: each length becomes a NUL, which UTF-8 text never holds

@@ -101,7 +101,7 @@ def merges_as_strings(tokenizer_json: str) -> str:
         return tokenizer_json
     valid = all(isinstance(m, list) and len(m) == 2 and all(isinstance(p, str) for p in m) for m in pairs)
     merges = [" ".join(m) for m in pairs] if valid else []
-    if not merges or not all(map(_one_space, merges)):
+    if not merges or not _all_one_space(merges):
         return tokenizer_json
     return tokenizer_json[: keys[0].end()] + json.dumps(merges, ensure_ascii=False) + tokenizer_json[end:]
 
