@@ -80,7 +80,7 @@ def compile_dots(qtype: int, n_parts: int):
     """A fresh (uncached) caller, so the intrinsic is generated again under the current has_vnni."""
     @njit(cache=False)
     def dots(w, parts, scale, sums, acc):
-        quant_dots(w, 0, 0, parts, scale, sums, acc, qtype, n_parts)  # block 0, lanes 0..15
+        quant_dots(w, 0, 0, parts, scale, sums, acc, qtype, n_parts, 1)  # block 0, lanes 0..15
 
     return dots
 
@@ -173,15 +173,44 @@ def packed_tile(qtype: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     return tiles[0]
 
 
-def compile_tile_dots(qtype: int, n_parts: int):
-    """A fresh caller of every block and group of 16 lanes of a tile (see compile_dots)."""
+def compile_tile_dots(qtype: int, n_parts: int, span: int = 1):
+    """A fresh caller of every block (`span` at a time) and group of 16 lanes of a tile (see
+    compile_dots)."""
     @njit(cache=False)
     def dots(w, parts, scale, sums, acc):
-        for b in range(scale.shape[1]):
+        for b in range(0, scale.shape[1], span):
             for g in range(0, acc.shape[1], LANES):
-                quant_dots(w, b, g, parts, scale, sums, acc, qtype, n_parts)
+                quant_dots(w, b, g, parts, scale, sums, acc, qtype, n_parts, span)
 
     return dots
+
+
+def split_rows(qtype: int, x: np.ndarray, n_parts: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x's rows split for the integer dots of qtype: parts, scales and sums as the kernels take them."""
+    rows, cols = x.shape
+    parts = np.empty((rows, n_parts, cols), np.int8)
+    scale, sums = np.empty((rows, cols // 32), np.float32), np.empty((rows, cols // 16), np.float32)
+    for i in range(rows):
+        module.integer_activations(x[i], parts[i], scale[i], sums[i, : module.sums_size(qtype, cols // 32)],
+                                   qtype)
+    return parts, scale, np.ascontiguousarray(sums[:, : module.sums_size(qtype, cols // 32)])
+
+
+@pytest.mark.parametrize("n_parts", sorted(set(ACTIVATIONS.values())))
+@pytest.mark.parametrize("qtype", sorted(PACKED), ids=lambda t: Q(t).name)
+def test_a_span_adds_the_bits_of_its_blocks(qtype, n_parts):
+    """Decode's call, one row and SPAN blocks (its lanes' sums kept in a register, a K-quant's d and
+    dmin converted once, the next span's bytes prefetched), gives the bits of one call per block."""
+    rng = np.random.default_rng(qtype + 100 * n_parts)
+    cols = 2 * module.SPAN * 32  # two spans
+    tile = packed_tile(qtype, cols, rng)
+    x = rng.standard_normal((1, cols)).astype(np.float32)  # no block so large that it hides the rest
+    parts, scale, sums = split_rows(qtype, x, n_parts)
+    one, span = np.zeros((1, 64), np.float32), np.zeros((1, 64), np.float32)
+    compile_tile_dots(qtype, n_parts)(tile, parts, scale, sums, one)
+    compile_tile_dots(qtype, n_parts, module.SPAN)(tile, parts, scale, sums, span)
+    assert np.isfinite(one).all() and np.all(one != 0)
+    assert np.array_equal(one.view(np.uint32), span.view(np.uint32))
 
 
 @pytest.mark.parametrize("n_parts", sorted(set(ACTIVATIONS.values())))

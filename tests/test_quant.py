@@ -287,7 +287,7 @@ def test_packed_dots_of_every_type_on_both_instruction_paths(tmp_path, monkeypat
     @njit(cache=False)
     def dots(w, parts, scale, sums, acc):  # qtype and n_parts: closure constants, as the kernels' are
         for b in range(scale.shape[1]):
-            nibble_dots.quant_dots(w, b, 0, parts, scale, sums, acc, qtype, n_parts)
+            nibble_dots.quant_dots(w, b, 0, parts, scale, sums, acc, qtype, n_parts, 1)
 
     acc = np.zeros((2, 64), np.float32)
     dots(tile, parts, scale, sums, acc)

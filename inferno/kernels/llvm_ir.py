@@ -38,6 +38,19 @@ def declared(module: ir.Module, name: str, function_type: ir.FunctionType) -> ir
     return module.globals.get(name) or ir.Function(module, function_type, name)
 
 
+def prefetch_bytes(builder, start: ir.Value, nbytes: ir.Value) -> None:
+    """Ask for the cache lines of bytes start..start+nbytes (an i8 pointer and a count) into every
+    level of the CPU's caches (llvm.prefetch: read, locality 3). A prefetch never faults, so the
+    bytes may lie past an array's end."""
+    byte_pointer, int32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fetch = declared(builder.module, "llvm.prefetch.p0",
+                     ir.FunctionType(ir.VoidType(), [byte_pointer, int32, int32, int32]))
+    zero, line = ir.Constant(nbytes.type, 0), ir.Constant(nbytes.type, 64)
+    with cgutils.for_range_slice(builder, zero, nbytes, line) as (offset, _):
+        at = builder.gep(start, [offset])
+        builder.call(fetch, [at, ir.Constant(int32, 0), ir.Constant(int32, 3), ir.Constant(int32, 1)])
+
+
 # How far ahead of what they read the streaming loops ask for memory (prefetch_ahead): of 0.5, 1, 2, 3
 # and 6 KiB, 2 KiB decoded fastest on all four models (docs/LOG.md, 2026-11-26); a non-temporal hint
 # was 2x slower.
@@ -86,14 +99,8 @@ def prefetch_ahead(typingctx, array, i):
         struct = context.make_array(signature.args[0])(context, builder, args[0])
         step = cgutils.unpack_tuple(builder, struct.strides)[0]
         row = builder.mul(context.cast(builder, args[1], signature.args[1], types.intp), step)
-        byte_pointer, int32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        first = builder.gep(builder.bitcast(struct.data, byte_pointer), [row])
-        fetch = declared(builder.module, "llvm.prefetch.p0",
-                         ir.FunctionType(ir.VoidType(), [byte_pointer, int32, int32, int32]))
-        ahead, line = ir.Constant(step.type, PREFETCH_AHEAD), ir.Constant(step.type, 64)
-        with cgutils.for_range_slice(builder, ahead, builder.add(ahead, step), line) as (offset, _):
-            at = builder.gep(first, [offset])
-            builder.call(fetch, [at, ir.Constant(int32, 0), ir.Constant(int32, 3), ir.Constant(int32, 1)])
+        first = builder.gep(builder.bitcast(struct.data, ir.IntType(8).as_pointer()), [row])
+        prefetch_bytes(builder, builder.gep(first, [ir.Constant(step.type, PREFETCH_AHEAD)]), step)
         return context.get_dummy_value()
 
     return sig, codegen

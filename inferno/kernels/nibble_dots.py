@@ -51,7 +51,7 @@ from numba.extending import intrinsic
 
 from inferno.kernels.ggml import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from inferno.kernels.jit import njit  # first: the target is set before any kernel is defined
-from inferno.kernels.llvm_ir import constant, declared, pointer, splat
+from inferno.kernels.llvm_ir import constant, declared, pointer, prefetch_bytes, splat
 
 LANES = 16  # rows summed per call: the int32 lanes of one 512-bit register
 PARTS = 4  # int8 parts per activation: float32's precision, the default
@@ -60,6 +60,8 @@ PARTS = 4  # int8 parts per activation: float32's precision, the default
 # activations hold (its scale is an f16), a quarter of the multiplies, with a rounding error that
 # `kv-bench --fidelity --activations` measures.
 ACTIVATIONS = {"f32": PARTS, "int8": 1}
+SPAN = 8  # blocks of 32 values per call for a single row: a K-quant block of the tiles
+CHAINS = 4  # independent integer sums kept in flight per block (split among the parts)
 PART_BITS = 7  # each part after the first weighs 2^-7 of the one before
 TINY = np.float32(2.0**-90)  # blocks whose largest value is smaller split into zeros (see the docstring)
 _BYTE, _SHORT, _INT = ir.IntType(8), ir.IntType(16), ir.IntType(32)
@@ -192,12 +194,13 @@ def half_sums(x, out):
 
 
 @intrinsic
-def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, qtype, n_parts):
-    """acc[i, g + l] += what weight row g + l of block b of tile w (uint8[block, byte, lane]) adds to
-    the product with every activation row i, for 16 rows l, from the integer dots of the block's
-    weights with parts[i] (int8[rows, n_parts, cols]); qtype (the GGML type) and n_parts are
-    compile-time constants, all arrays C-contiguous. b counts blocks of 32 values (a K-quant block of
-    the tile holds eight, see PACKED).
+def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, qtype, n_parts, span):
+    """acc[i, g + l] += what weight row g + l of blocks b..b+span-1 of tile w (uint8[block, byte,
+    lane]) adds to the product with every activation row i, for 16 rows l, from the integer dots of
+    the blocks' weights with parts[i] (int8[rows, n_parts, cols]); qtype (the GGML type), n_parts and
+    span are compile-time constants, all arrays C-contiguous. b counts blocks of 32 values (a K-quant
+    block of the tile holds eight, see PACKED); a span of more than one block starts at a block of
+    the tile (b a multiple of its sub-blocks) and, for K-quants, is its eight sub-blocks.
 
     The packed types (n_parts 1 or 4): d_l * scale[i, b] * D_il + m_l * sums[i, b], with D_il the
     combined dot, (S0 * 2^7 + S1) * 2^14 + S2 * 2^7 + S3 for four parts or S0 for one (S_p: value *
@@ -209,18 +212,25 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, qtype, n_parts):
     Q8_0 (n_parts 1): d_l * scale[i, b] * (S'_il - 128 * sums[i, b]), with S' summing (byte + 128) *
     part 0, the unsigned operand vpdpbusd needs, and sums[i, b] the block's sum of part 0. Its tiles
     keep each value's bytes side by side across lanes; a shuffle makes the 4-byte quads.
-    The block's weights are unpacked, and d and m converted, once for all activation rows."""
+
+    Each block's contribution is added to acc in block order, so every span gives the same bits. A
+    span of one unpacks the block's weights once for all activation rows (a batch); a longer one is
+    for a single row (decode), whose acc lanes stay in a register across the span and whose K-quant
+    d and dmin are converted once, not once per sub-block."""
     arrays = (w, parts, scale, sums, acc)
     if not all(isinstance(a, types.Array) and a.layout == "C" for a in arrays):
         return None
     if (w.ndim, parts.ndim, scale.ndim, sums.ndim, acc.ndim) != (3, 3, 2, 2, 2):
         return None
-    if not all(isinstance(v, types.IntegerLiteral) for v in (qtype, n_parts)):
+    if not all(isinstance(v, types.IntegerLiteral) for v in (qtype, n_parts, span)):
         return None
-    qtype_, count = qtype.literal_value, n_parts.literal_value
+    qtype_, count, span_ = qtype.literal_value, n_parts.literal_value, span.literal_value
     if not ((qtype_ in PACKED and count in ACTIVATIONS.values()) or (qtype_ == Q8_0 and count == 1)):
         return None
-    sig = types.void(w, b, g, parts, scale, sums, acc, qtype, n_parts)
+    per = PACKED[qtype_].sub_blocks if qtype_ in PACKED else 1
+    if span_ < 1 or (per > 1 and span_ not in (1, per)):
+        return None
+    sig = types.void(w, b, g, parts, scale, sums, acc, qtype, n_parts, span)
 
     def codegen(context, builder, signature, args):
         vnni = has_vnni()
@@ -244,61 +254,64 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, qtype, n_parts):
             return ir.Constant(lanes.type, value)
 
         packing = PACKED.get(qtype_, Packing(1, 2, 32, 0, 0))
-        per = packing.sub_blocks
-        stored, sub = (b_v, const(0))
-        if per > 1:  # b's block of the tile, and which of its sub-blocks
-            stored, sub = builder.udiv(b_v, const(per)), builder.urem(b_v, const(per))
-        block_first = builder.mul(stored, builder.mul(type_size, lanes))
 
-        def tile_bytes(byte_row: int | ir.Value, offset: ir.Value, vector: ir.Type) -> ir.Value:
-            """The tile's bytes from byte row `byte_row` of the stored block, `offset` bytes in."""
+        def tile_bytes(first: ir.Value, byte_row: int | ir.Value, offset: ir.Value, vector: ir.Type
+                       ) -> ir.Value:
+            """The tile's bytes from byte row `byte_row` of the stored block at byte `first`, `offset` in."""
             row = byte_row if isinstance(byte_row, ir.Value) else const(byte_row)
-            at = builder.add(block_first, builder.add(builder.mul(lanes, row), offset))
+            at = builder.add(first, builder.add(builder.mul(lanes, row), offset))
             return builder.load(pointer(context, builder, w_t, w_v, at, vector), align=1)
 
-        def half_lanes(byte_row: int) -> ir.Value:
+        def half_lanes(first: ir.Value, byte_row: int) -> ir.Value:
             """The f16 whose low byte is in row byte_row (high byte in the next), for lanes g..g+15."""
             short = ir.VectorType(_SHORT, LANES)
-            low = builder.zext(tile_bytes(byte_row, g_v, bytes16), short)
-            high = builder.zext(tile_bytes(byte_row + 1, g_v, bytes16), short)
+            low = builder.zext(tile_bytes(first, byte_row, g_v, bytes16), short)
+            high = builder.zext(tile_bytes(first, byte_row + 1, g_v, bytes16), short)
             bits = builder.or_(low, builder.shl(high, constant(_SHORT, [8] * LANES)))
             return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), floats)
 
-        def byte_lanes(byte_row: ir.Value, signed: bool = False) -> ir.Value:
+        def byte_lanes(first: ir.Value, byte_row: ir.Value, signed: bool = False) -> ir.Value:
             """The bytes of row byte_row for lanes g..g+15, as floats."""
             convert = builder.sitofp if signed else builder.uitofp
-            return convert(tile_bytes(byte_row, g_v, bytes16), floats)
+            return convert(tile_bytes(first, byte_row, g_v, bytes16), floats)
 
-        def words(byte_row: ir.Value) -> ir.Value:
-            """The 4-byte words of a quad or plane at byte_row, for lanes g..g+15, as <64 x i8>."""
-            return tile_bytes(byte_row, builder.mul(g_v, const(4)), bytes64)
+        def stored_block(stored: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value | None]:
+            """A stored block's first byte, its d and (K-quants) dmin for lanes g..g+15."""
+            first = builder.mul(stored, builder.mul(type_size, lanes))
+            dmin = half_lanes(first, 2) if qtype_ in (Q4_K, Q5_K) else None
+            return first, half_lanes(first, 0), dmin
 
-        def row_of(first: int, offset: int = 0) -> ir.Value:
-            """Byte row `first + offset` of sub-block `sub` (rows from `first` advance by the stride)."""
-            return builder.add(const(first + offset), builder.mul(sub, const(packing.stride)))
+        def unpack(first: ir.Value, d: ir.Value, dmin: ir.Value | None, sub: ir.Value) -> tuple:
+            """Sub-block `sub` of the stored block at `first`: its weights (16 rows' 4 unsigned bytes as
+            <16 x i32>, with the first of the 4 values they hold), d, m and Q6_K's two half scales."""
 
-        d = half_lanes(0)
-        m = half_sums_scale = None
-        weights = []  # (16 rows' 4 unsigned bytes as <16 x i32>, the first of the 4 values they hold)
-        if qtype_ == Q8_0:
-            offset = constant(_BYTE, [128] * 4 * LANES)
-            for k in range(8):  # values 4k..4k+3, one byte row each, interleaved into quads
-                four = [tile_bytes(2 + 4 * k + v, g_v, bytes16) for v in range(4)]
-                pairs = [builder.shuffle_vector(four[v], four[v + 1], constant(_INT, list(range(32))))
-                         for v in (0, 2)]
-                joined = builder.shuffle_vector(pairs[0], pairs[1], constant(_INT, list(range(64))))
-                quad = builder.shuffle_vector(joined, joined, constant(
-                    _INT, [16 * v + lane for lane in range(LANES) for v in range(4)]))
-                weights.append((builder.bitcast(builder.add(quad, offset), ints), 4 * k))
-        else:
+            def words(byte_row: ir.Value) -> ir.Value:  # a quad or plane's words, lanes g..g+15
+                return tile_bytes(first, byte_row, builder.mul(g_v, const(4)), bytes64)
+
+            def row_of(first_row: int, offset: int = 0) -> ir.Value:  # rows advance by the stride
+                return builder.add(const(first_row + offset), builder.mul(sub, const(packing.stride)))
+
+            m = half_scales = None
+            weights = []
+            if qtype_ == Q8_0:
+                offset = constant(_BYTE, [128] * 4 * LANES)
+                for k in range(8):  # values 4k..4k+3, one byte row each, interleaved into quads
+                    four = [tile_bytes(first, 2 + 4 * k + v, g_v, bytes16) for v in range(4)]
+                    pairs = [builder.shuffle_vector(four[v], four[v + 1], constant(_INT, list(range(32))))
+                             for v in (0, 2)]
+                    joined = builder.shuffle_vector(pairs[0], pairs[1], constant(_INT, list(range(64))))
+                    quad = builder.shuffle_vector(joined, joined, constant(
+                        _INT, [16 * v + lane for lane in range(LANES) for v in range(4)]))
+                    weights.append((builder.bitcast(builder.add(quad, offset), ints), 4 * k))
+                return weights, d, m, half_scales
             if qtype_ in (Q4_K, Q5_K):
-                m = builder.fneg(builder.fmul(half_lanes(2), byte_lanes(builder.add(const(12), sub))))
-                d = builder.fmul(d, byte_lanes(builder.add(const(4), sub)))
+                m = builder.fneg(builder.fmul(dmin, byte_lanes(first, builder.add(const(12), sub))))
+                d = builder.fmul(d, byte_lanes(first, builder.add(const(4), sub)))
             elif qtype_ == Q6_K:  # the two halves' int8 scales, at rows 2 + 2j and 3 + 2j
-                half_sums_scale = [byte_lanes(builder.add(const(2 + h), builder.mul(sub, const(2))), True)
-                                   for h in range(2)]
+                half_scales = [byte_lanes(first, builder.add(const(2 + h), builder.mul(sub, const(2))), True)
+                               for h in range(2)]
             elif qtype_ in (Q4_1, Q5_1):
-                m = half_lanes(2)
+                m = half_lanes(first, 2)
             else:  # Q4_0, Q5_0: q - 8, q - 16
                 m = builder.fmul(d, ir.Constant(floats, [-8.0 if packing.high_bits == 0 else -16.0] * LANES))
 
@@ -317,11 +330,13 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, qtype, n_parts):
                         high = builder.and_(builder.lshr(plane, byte_splat(bit)), byte_splat(mask))
                         value = builder.or_(value, builder.shl(high, byte_splat(4)))
                     weights.append((builder.bitcast(value, ints), 16 * half + 4 * k))
+            return weights, d, m, half_scales
 
-        with cgutils.for_range(builder, rows) as loop:
-            i = loop.index
+        def added(i: ir.Value, block: ir.Value, unpacked: tuple) -> ir.Value:
+            """What 32-value block `block` (unpacked) adds to activation row i's 16 lanes."""
+            weights, d, m, half_scales = unpacked
             row_parts = builder.mul(i, builder.mul(cols, ir.Constant(cols.type, count)))
-            x_at = builder.mul(b_v, ir.Constant(b_v.type, 32))
+            x_at = builder.mul(block, ir.Constant(block.type, 32))
 
             def broadcast_x(part: int, value: int) -> ir.Value:
                 """Values value..value+3 of the block's part `part` of row i, in every lane."""
@@ -330,12 +345,24 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, qtype, n_parts):
                 word = builder.load(pointer(context, builder, parts_t, parts_v, flat, _INT), align=1)
                 return splat(builder, word, LANES)
 
-            halves = 2 if half_sums_scale else 1  # Q6_K: values 0-15 and 16-31 summed apart
-            totals = [[ir.Constant(ints, [0] * LANES)] * count for _ in range(halves)]
-            for values, value in weights:  # the parts' independent chains interleaved
+            halves = 2 if half_scales else 1  # Q6_K: values 0-15 and 16-31 summed apart
+            # CHAINS independent sums in flight: one chain of dependent vpdpbusd waits out each one's
+            # latency (integer sums: regrouping them changes no bit)
+            chains = max(1, CHAINS // count)
+            zero = ir.Constant(ints, [0] * LANES)
+            totals = [[[zero] * chains for _ in range(count)] for _ in range(halves)]
+            for n, (values, value) in enumerate(weights):  # the parts' independent chains interleaved
                 t = totals[value // 16 if halves == 2 else 0]
                 for part in range(count):
-                    t[part] = _dot_bytes(builder, t[part], values, broadcast_x(part, value), vnni)
+                    c = n % chains
+                    t[part][c] = _dot_bytes(builder, t[part][c], values, broadcast_x(part, value), vnni)
+            for t in totals:
+                for part in range(count):
+                    pending = t[part]
+                    while len(pending) > 1:
+                        pending = [builder.add(*pending[k : k + 2]) if k + 1 < len(pending) else pending[k]
+                                   for k in range(0, len(pending), 2)]
+                    t[part] = pending[0]
 
             def pair(first: ir.Value, second: ir.Value) -> ir.Value:  # first * 2^7 + second, exact as a float
                 joined = builder.add(builder.shl(first, constant(_INT, [PART_BITS] * LANES)), second)
@@ -351,31 +378,67 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, qtype, n_parts):
                 return splat(builder, builder.load(pointer(context, builder, array_type, array, at,
                                                            ir.FloatType())), LANES)
 
-            cell = builder.add(builder.mul(i, blocks), b_v)
+            cell = builder.add(builder.mul(i, blocks), block)
             row_scale = load_splat(scale_t, scale_v, cell)
             if halves == 2:
-                sc0, sc1 = half_sums_scale
+                sc0, sc1 = half_scales
                 total = builder.fadd(builder.fmul(sc0, combined(totals[0])),
                                      builder.fmul(sc1, combined(totals[1])))
-                half_cell = builder.mul(builder.add(builder.mul(i, blocks), b_v), const(2))
+                half_cell = builder.mul(cell, const(2))
                 s0 = load_splat(sums_t, sums_v, half_cell)
                 s1 = load_splat(sums_t, sums_v, builder.add(half_cell, const(1)))
                 offsets = builder.fadd(builder.fmul(sc0, s0), builder.fmul(sc1, s1))
                 scaled = builder.fmul(row_scale, total)
                 thirty_two = ir.Constant(floats, [32.0] * LANES)
-                added = builder.fmul(d, builder.fsub(scaled, builder.fmul(thirty_two, offsets)))
-            else:
-                total = combined(totals[0])
-                row_sum = load_splat(sums_t, sums_v, cell)
-                if m is None:  # Q8_0: take back the 128 added to every weight byte (exact: both under 2^24)
-                    total = builder.fsub(total, builder.fmul(row_sum, ir.Constant(floats, [128.0] * LANES)))
-                    added = builder.fmul(d, builder.fmul(row_scale, total))
-                else:
-                    scaled = builder.fmul(d, builder.fmul(row_scale, total))
-                    added = builder.fadd(scaled, builder.fmul(m, row_sum))
+                return builder.fmul(d, builder.fsub(scaled, builder.fmul(thirty_two, offsets)))
+            total = combined(totals[0])
+            row_sum = load_splat(sums_t, sums_v, cell)
+            if m is None:  # Q8_0: take back the 128 added to every weight byte (exact: both under 2^24)
+                total = builder.fsub(total, builder.fmul(row_sum, ir.Constant(floats, [128.0] * LANES)))
+                return builder.fmul(d, builder.fmul(row_scale, total))
+            return builder.fadd(builder.fmul(d, builder.fmul(row_scale, total)), builder.fmul(m, row_sum))
+
+        def accumulate(i: ir.Value, contributions) -> None:
+            """acc[i, g..g+15] plus each contribution in turn, loaded and stored once."""
             cell = builder.add(builder.mul(i, acc_width), g_v)
             target = pointer(context, builder, acc_t, acc_v, cell, floats)
-            builder.store(builder.fadd(builder.load(target, align=4), added), target, align=4)
+            total = builder.load(target, align=4)
+            for contribution in contributions:
+                total = builder.fadd(total, contribution())
+            builder.store(total, target, align=4)
+
+        if span_ == 1:  # one block for every row: unpacked once, before the rows' loop
+            stored, sub = (b_v, const(0))
+            if per > 1:  # b's block of the tile, and which of its sub-blocks
+                stored, sub = builder.udiv(b_v, const(per)), builder.urem(b_v, const(per))
+            unpacked = unpack(*stored_block(stored), sub)
+            with cgutils.for_range(builder, rows) as loop:
+                accumulate(loop.index, [lambda: added(loop.index, b_v, unpacked)])
+        else:
+            shared = stored_block(builder.udiv(b_v, const(per))) if per > 1 else None
+            # The next span's bytes are asked for piece by piece, one piece before each block's dots:
+            # the CPU's own prefetching streams slowly here, and a burst of a whole span's lines
+            # stalls on the misses in flight (both measured in docs/LOG.md).
+            span_bytes = builder.mul(builder.mul(type_size, lanes), const(span_ // per))
+            piece = builder.udiv(span_bytes, builder.mul(builder.udiv(lanes, const(LANES)), const(span_)))
+            data = context.make_array(w_t)(context, builder, w_v).data
+            span_first = builder.mul(builder.udiv(b_v, const(per)), builder.mul(type_size, lanes))
+            first_piece = builder.mul(builder.udiv(g_v, const(LANES)), const(span_))
+
+            def prefetch(k: int) -> None:
+                at = builder.add(builder.add(span_first, span_bytes),
+                                 builder.mul(builder.add(first_piece, const(k)), piece))
+                prefetch_bytes(builder, builder.gep(data, [at]), piece)
+
+            def contribution(k: int):
+                block = builder.add(b_v, const(k))
+                if shared is not None:
+                    return lambda i: (prefetch(k), added(i, block, unpack(*shared, const(k))))[1]
+                return lambda i: (prefetch(k), added(i, block, unpack(*stored_block(block), const(0))))[1]
+
+            parts_of_span = [contribution(k) for k in range(span_)]
+            with cgutils.for_range(builder, rows) as loop:
+                accumulate(loop.index, [lambda f=f: f(loop.index) for f in parts_of_span])
         return context.get_dummy_value()
 
     return sig, codegen

@@ -38,7 +38,7 @@ from inferno.kernels.dequant import DEQUANTIZE, dequantize_tile, f16, zero
 from inferno.kernels.ggml import Q4_K, Q5_K, Q6_K, Q8_0
 from inferno.kernels.jit import njit
 from inferno.kernels.llvm_ir import prefetch_ahead
-from inferno.kernels.nibble_dots import ACTIVATIONS, PACKED, integer_activations, quant_dots, sums_size
+from inferno.kernels.nibble_dots import ACTIVATIONS, PACKED, SPAN, integer_activations, quant_dots, sums_size
 from inferno.kernels.nibble_dots import LANES as NIBBLE_LANES
 from inferno.kernels.repack import IN_MEMORY, TILE_BYTES, TileStore, read_tiles
 from inferno.kernels.sharing import in_spans
@@ -300,17 +300,23 @@ def _dot_q8_0(w, x, xs, acc, s):
             acc[r] += f16(w, b, 0, r) * part
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=False)  # said, or it inherits its callers': LLVM would regroup a span's sums
 def _dot_integer(w, parts, scale, sums, acc, qtype, n_parts):
     """acc[i, lane] += row lane of tile w . x_i for each row i of x, from x_i's n_parts int8 parts, each
     block's scale and its sums (inferno.kernels.nibble_dots.quant_dots): parts [rows, n_parts, cols], scale
     and sums [rows, blocks]; qtype and n_parts compile-time constants."""
     per = K_SUB_BLOCKS if qtype in (Q4_K, Q5_K, Q6_K) else 1  # blocks of 32 values per block of the tile
-    for b in range(scale.shape[1]):  # blocks of 32 values
+    first = 0
+    if parts.shape[0] == 1:  # one row: spans of SPAN blocks, each lane group's sums kept in a register
+        first = scale.shape[1] - scale.shape[1] % SPAN
+        for b in range(0, first, SPAN):
+            for g in range(0, acc.shape[1], NIBBLE_LANES):
+                quant_dots(w, b, g, parts, scale, sums, acc, qtype, n_parts, SPAN)
+    for b in range(first, scale.shape[1]):  # blocks of 32 values, each unpacked once for every row
         if b % per == 0:
             prefetch_ahead(w, b // per)
         for g in range(0, acc.shape[1], NIBBLE_LANES):
-            quant_dots(w, b, g, parts, scale, sums, acc, qtype, n_parts)
+            quant_dots(w, b, g, parts, scale, sums, acc, qtype, n_parts, 1)
 
 
 _DOT = {Q8_0: _dot_q8_0}
