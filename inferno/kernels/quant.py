@@ -30,14 +30,16 @@ import gguf
 import numba
 import numpy as np
 from gguf import GGMLQuantizationType as QType
-from numba import prange
-from numba.extending import overload
+from llvmlite import ir
+from numba import prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
 from inferno.errors import InfernoError
-from inferno.kernels.dequant import DEQUANTIZE, dequantize_tile, f16, zero
+from inferno.kernels.dequant import DEQUANTIZE, dequantize_tile, zero
 from inferno.kernels.ggml import Q4_K, Q5_K, Q6_K, Q8_0
 from inferno.kernels.jit import njit
-from inferno.kernels.llvm_ir import prefetch_ahead
+from inferno.kernels.llvm_ir import pointer, prefetch_ahead, splat
 from inferno.kernels.nibble_dots import ACTIVATIONS, PACKED, SPAN, integer_activations, quant_dots, sums_size
 from inferno.kernels.nibble_dots import LANES as NIBBLE_LANES
 from inferno.kernels.repack import IN_MEMORY, TILE_BYTES, TileStore, read_tiles
@@ -47,6 +49,7 @@ TILE_ROWS = 32  # lanes per tile: full SIMD loops, yet enough tiles to share sma
 WIDE_TILE_ROWS = 64  # for 4-bit blocks, whose matvec measured 1.2x faster on 64 lanes (Q8_0: 1.4x slower)
 MATMUL_CHUNK_BYTES = 8 << 20  # float32 scratch holding one chunk of dequantized rows in matmul
 SPAN_BYTES = 128 << 10  # at most this much of W.T written between two spans (a core's cache holds it)
+SUMS = 4  # independent float sums per Q8_0 block (_q8_0_block)
 MATMUL_MIN_ROWS = 8  # below this many rows of x, matvec per row beats dequantizing the weight for BLAS
 
 SUPPORTED = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0,
@@ -289,15 +292,56 @@ def tile_layout(qtype: QType, rows: list[int], cols: int) -> tuple[tuple[int, ..
 # the innermost loop and the lane loop runs scalar): Q5_0 and Q6_K split theirs into 16-step loops.
 
 
+@intrinsic
+def _q8_0_block(typingctx, w, b, g, x, acc):
+    """acc[g..g+15] += d * sum_j x[32 b + j] * q_j for lanes g..g+15 of block b of tile w (uint8[block,
+    34, lane]: d's two bytes, then value j's int8 in row 2 + j), in FOUR sums side by side: as one
+    chain, each of the 32 adds waited out the one before (a loop over the lanes that Numba compiles
+    runs that way)."""
+    if not all(isinstance(a, types.Array) and a.layout == "C" for a in (w, x, acc)) or w.ndim != 3:
+        return None
+    sig = types.void(w, b, g, x, acc)
+
+    def codegen(context, builder, signature, args):
+        w_v, b_v, g_v, x_v, acc_v = args
+        w_t, _, _, x_t, acc_t = signature.args
+        b_v = context.cast(builder, b_v, signature.args[1], types.intp)
+        g_v = context.cast(builder, g_v, signature.args[2], types.intp)
+        lanes = cgutils.unpack_tuple(builder, context.make_array(w_t)(context, builder, w_v).shape)[2]
+        floats = ir.VectorType(ir.FloatType(), NIBBLE_LANES)
+        first = builder.mul(b_v, builder.mul(lanes, ir.Constant(lanes.type, 34)))
+
+        def row(r: int, element: ir.Type) -> ir.Value:  # lanes g..g+15 of byte row r
+            at = builder.add(first, builder.add(builder.mul(lanes, ir.Constant(lanes.type, r)), g_v))
+            vector = ir.VectorType(element, NIBBLE_LANES)
+            return builder.load(pointer(context, builder, w_t, w_v, at, vector), align=1)
+
+        sums = [ir.Constant(floats, [0.0] * NIBBLE_LANES)] * SUMS
+        for j in range(32):
+            at = builder.add(builder.mul(b_v, ir.Constant(b_v.type, 32)), ir.Constant(b_v.type, j))
+            value = builder.load(pointer(context, builder, x_t, x_v, at, ir.FloatType()))
+            q = builder.sitofp(row(2 + j, ir.IntType(8)), floats)
+            product = builder.fmul(splat(builder, value, NIBBLE_LANES), q)
+            sums[j % SUMS] = builder.fadd(sums[j % SUMS], product)
+        while len(sums) > 1:
+            sums = [builder.fadd(sums[k], sums[k + 1]) for k in range(0, len(sums), 2)]
+        low = builder.zext(row(0, ir.IntType(8)), ir.VectorType(ir.IntType(16), NIBBLE_LANES))
+        high = builder.zext(row(1, ir.IntType(8)), ir.VectorType(ir.IntType(16), NIBBLE_LANES))
+        bits = builder.or_(low, builder.shl(high, ir.Constant(high.type, [8] * NIBBLE_LANES)))
+        d = builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), NIBBLE_LANES)), floats)
+        target = pointer(context, builder, acc_t, acc_v, g_v, floats)
+        builder.store(builder.fadd(builder.load(target, align=4), builder.fmul(d, sums[0])), target, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @njit(cache=True, fastmath=True)
 def _dot_q8_0(w, x, xs, acc, s):
     for b in range(w.shape[0]):
         prefetch_ahead(w, b)
-        for r in range(acc.size):
-            part = np.float32(0)
-            for j in range(32):
-                part += x[32 * b + j] * np.float32(np.int8(w[b, 2 + j, r]))
-            acc[r] += f16(w, b, 0, r) * part
+        for g in range(0, acc.size, NIBBLE_LANES):
+            _q8_0_block(w, b, g, x, acc)
 
 
 @njit(cache=True, fastmath=False)  # said, or it inherits its callers': LLVM would regroup a span's sums
