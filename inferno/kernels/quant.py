@@ -282,22 +282,17 @@ def tile_layout(qtype: QType, rows: list[int], cols: int) -> tuple[tuple[int, ..
 
 
 # ---------------------------------------------------------------------------------------------------
-# Fused tile dot products: acc[lane] += (row lane of the tile) . x. `xs` holds the sums of x over each
-# 32-element block; `s` is float32[4, lanes] scratch for per-block partial sums (K-quants). The loops
-# over lanes vectorize. For the 32-element blocks, a block's sum for one lane is a loop of fixed length
-# inside the lane loop: LLVM unrolls it, so the lane loop vectorizes with the partial sums in registers
-# (an array of per-lane partial sums kept them in memory: Q8_0 matvec 3.5x slower). The loop is written
-# out in each kernel: a helper inlined with inline="always" compiled to scalar code (10x slower) on a
-# first, uncached compile. That inner loop must be short enough for LLVM to unroll it fully (else it stays
-# the innermost loop and the lane loop runs scalar): Q5_0 and Q6_K split theirs into 16-step loops.
+# Fused tile dot products: acc[lane] += (row lane of the tile) . x, straight from the blocks. The packed
+# types take integer dots (nibble_dots, `_dot_integer`); Q8_0 at float32 activations takes float dots,
+# one block and 16 lanes a call (`_q8_0_block`).
 
 
 @intrinsic
 def _q8_0_block(typingctx, w, b, g, x, acc):
     """acc[g..g+15] += d * sum_j x[32 b + j] * q_j for lanes g..g+15 of block b of tile w (uint8[block,
-    34, lane]: d's two bytes, then value j's int8 in row 2 + j), in FOUR sums side by side: as one
-    chain, each of the 32 adds waited out the one before (a loop over the lanes that Numba compiles
-    runs that way)."""
+    34, lane]: d's two bytes, then value j's int8 in row 2 + j), in SUMS sums side by side: as one
+    chain, each of the 32 adds waited out the one before (the loop over the lanes that Numba compiled
+    ran that way)."""
     if not all(isinstance(a, types.Array) and a.layout == "C" for a in (w, x, acc)) or w.ndim != 3:
         return None
     sig = types.void(w, b, g, x, acc)
