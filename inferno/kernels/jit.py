@@ -11,6 +11,7 @@ if something in the process compiled with Numba before inferno was imported, the
 already and is left as it is (changing the features then would only mislabel the cached kernels).
 """
 
+import functools
 import hashlib
 from pathlib import Path
 
@@ -30,18 +31,16 @@ def full_width_features() -> str | None:
     return f"{features},-prefer-256-bit" if "+avx512f" in features.split(",") else None
 
 
+@functools.cache
 def kernel_sources_digest() -> bytes:
     """A hash of every inferno module that defines or inlines compiled code (njit kernels,
     intrinsics, overloads), read once per process."""
-    global _digest
-    if _digest is None:
-        digest = hashlib.sha256()
-        for path in sorted(PACKAGE.rglob("*.py")):
-            text = path.read_bytes()
-            if any(marker in text for marker in KERNEL_MARKERS):
-                digest.update(path.relative_to(PACKAGE).as_posix().encode() + b"\0" + text)
-        _digest = digest.digest()
-    return _digest
+    digest = hashlib.sha256()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_bytes()
+        if any(marker in text for marker in KERNEL_MARKERS):
+            digest.update(path.relative_to(PACKAGE).as_posix().encode() + b"\0" + text)
+    return digest.digest()
 
 
 class _PackageStamp:
@@ -49,8 +48,6 @@ class _PackageStamp:
     change to a kernel it inlined from another module (nibble_dots' intrinsics inside quant's matvec;
     numba issue 1833). For our files the stamp is the hash of all of them: any change to any kernel
     source recompiles every kernel once."""
-
-    _py_file: str
 
     def get_source_stamp(self):
         return kernel_sources_digest()
@@ -71,7 +68,6 @@ class _InTreeStamp(_PackageStamp, caching.InTreeCacheLocator):
 
 PACKAGE = Path(__file__).resolve().parent.parent
 KERNEL_MARKERS = (b"@njit", b"@intrinsic", b"@overload")
-_digest: bytes | None = None
 caching.CacheImpl._locator_classes[:0] = [_UserDirStamp, _InTreeStamp]
 
 if numba.config.CPU_FEATURES is None and "_toplevel_target_context" not in vars(cpu_target):

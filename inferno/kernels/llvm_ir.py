@@ -38,6 +38,16 @@ def declared(module: ir.Module, name: str, function_type: ir.FunctionType) -> ir
     return module.globals.get(name) or ir.Function(module, function_type, name)
 
 
+def halves_to_floats(builder, low: ir.Value, high: ir.Value) -> ir.Value:
+    """The f16s whose low and high bytes are the <n x i8> `low` and `high`, as <n x float>."""
+    n = low.type.count
+    short = ir.VectorType(ir.IntType(16), n)
+    high_byte = builder.shl(builder.zext(high, short), ir.Constant(short, [8] * n))
+    bits = builder.or_(builder.zext(low, short), high_byte)
+    halves = builder.bitcast(bits, ir.VectorType(ir.HalfType(), n))
+    return builder.fpext(halves, ir.VectorType(ir.FloatType(), n))
+
+
 def prefetch_bytes(builder, start: ir.Value, nbytes: ir.Value) -> None:
     """Ask for the cache lines of bytes start..start+nbytes (an i8 pointer and a count) into every
     level of the CPU's caches (llvm.prefetch: read, locality 3). A prefetch never faults, so the

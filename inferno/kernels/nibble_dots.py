@@ -51,7 +51,7 @@ from numba.extending import intrinsic
 
 from inferno.kernels.ggml import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from inferno.kernels.jit import njit  # first: the target is set before any kernel is defined
-from inferno.kernels.llvm_ir import constant, declared, pointer, prefetch_bytes, splat
+from inferno.kernels.llvm_ir import constant, declared, halves_to_floats, pointer, prefetch_bytes, splat
 
 LANES = 16  # rows summed per call: the int32 lanes of one 512-bit register
 PARTS = 4  # int8 parts per activation: float32's precision, the default
@@ -264,11 +264,8 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, qtype, n_parts, span
 
         def half_lanes(first: ir.Value, byte_row: int) -> ir.Value:
             """The f16 whose low byte is in row byte_row (high byte in the next), for lanes g..g+15."""
-            short = ir.VectorType(_SHORT, LANES)
-            low = builder.zext(tile_bytes(first, byte_row, g_v, bytes16), short)
-            high = builder.zext(tile_bytes(first, byte_row + 1, g_v, bytes16), short)
-            bits = builder.or_(low, builder.shl(high, constant(_SHORT, [8] * LANES)))
-            return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), floats)
+            return halves_to_floats(builder, tile_bytes(first, byte_row, g_v, bytes16),
+                                    tile_bytes(first, byte_row + 1, g_v, bytes16))
 
         def byte_lanes(first: ir.Value, byte_row: ir.Value, signed: bool = False) -> ir.Value:
             """The bytes of row byte_row for lanes g..g+15, as floats."""
@@ -398,22 +395,22 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, qtype, n_parts, span
                 return builder.fmul(d, builder.fmul(row_scale, total))
             return builder.fadd(builder.fmul(d, builder.fmul(row_scale, total)), builder.fmul(m, row_sum))
 
-        def accumulate(i: ir.Value, contributions) -> None:
-            """acc[i, g..g+15] plus each contribution in turn, loaded and stored once."""
-            cell = builder.add(builder.mul(i, acc_width), g_v)
-            target = pointer(context, builder, acc_t, acc_v, cell, floats)
-            total = builder.load(target, align=4)
-            for contribution in contributions:
-                total = builder.fadd(total, contribution())
-            builder.store(total, target, align=4)
+        def accumulate(contributions) -> None:
+            """For every row i, acc[i, g..g+15] plus each contribution(i) in turn, loaded and stored once."""
+            with cgutils.for_range(builder, rows) as loop:
+                target = pointer(context, builder, acc_t, acc_v,
+                                 builder.add(builder.mul(loop.index, acc_width), g_v), floats)
+                total = builder.load(target, align=4)
+                for contribution in contributions:
+                    total = builder.fadd(total, contribution(loop.index))
+                builder.store(total, target, align=4)
 
         if span_ == 1:  # one block for every row: unpacked once, before the rows' loop
             stored, sub = (b_v, const(0))
             if per > 1:  # b's block of the tile, and which of its sub-blocks
                 stored, sub = builder.udiv(b_v, const(per)), builder.urem(b_v, const(per))
             unpacked = unpack(*stored_block(stored), sub)
-            with cgutils.for_range(builder, rows) as loop:
-                accumulate(loop.index, [lambda: added(loop.index, b_v, unpacked)])
+            accumulate([lambda i: added(i, b_v, unpacked)])
         else:
             shared = stored_block(builder.udiv(b_v, const(per))) if per > 1 else None
             # The next span's bytes are asked for piece by piece, one piece before each block's dots:
@@ -431,14 +428,17 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, qtype, n_parts, span
                 prefetch_bytes(builder, builder.gep(data, [at]), piece)
 
             def contribution(k: int):
-                block = builder.add(b_v, const(k))
-                if shared is not None:
-                    return lambda i: (prefetch(k), added(i, block, unpack(*shared, const(k))))[1]
-                return lambda i: (prefetch(k), added(i, block, unpack(*stored_block(block), const(0))))[1]
+                """Block b + k of the span, for row i (a K-quant's sub-block k of the shared block)."""
+                def emit(i: ir.Value) -> ir.Value:
+                    prefetch(k)
+                    block = builder.add(b_v, const(k))
+                    if shared is not None:
+                        return added(i, block, unpack(*shared, const(k)))
+                    return added(i, block, unpack(*stored_block(block), const(0)))
 
-            parts_of_span = [contribution(k) for k in range(span_)]
-            with cgutils.for_range(builder, rows) as loop:
-                accumulate(loop.index, [lambda f=f: f(loop.index) for f in parts_of_span])
+                return emit
+
+            accumulate([contribution(k) for k in range(span_)])
         return context.get_dummy_value()
 
     return sig, codegen

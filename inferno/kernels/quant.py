@@ -39,7 +39,7 @@ from inferno.errors import InfernoError
 from inferno.kernels.dequant import DEQUANTIZE, dequantize_tile, zero
 from inferno.kernels.ggml import Q4_K, Q5_K, Q6_K, Q8_0
 from inferno.kernels.jit import njit
-from inferno.kernels.llvm_ir import pointer, prefetch_ahead, splat
+from inferno.kernels.llvm_ir import halves_to_floats, pointer, prefetch_ahead, splat
 from inferno.kernels.nibble_dots import ACTIVATIONS, PACKED, SPAN, integer_activations, quant_dots, sums_size
 from inferno.kernels.nibble_dots import LANES as NIBBLE_LANES
 from inferno.kernels.repack import IN_MEMORY, TILE_BYTES, TileStore, read_tiles
@@ -320,10 +320,7 @@ def _q8_0_block(typingctx, w, b, g, x, acc):
             sums[j % SUMS] = builder.fadd(sums[j % SUMS], product)
         while len(sums) > 1:
             sums = [builder.fadd(sums[k], sums[k + 1]) for k in range(0, len(sums), 2)]
-        low = builder.zext(row(0, ir.IntType(8)), ir.VectorType(ir.IntType(16), NIBBLE_LANES))
-        high = builder.zext(row(1, ir.IntType(8)), ir.VectorType(ir.IntType(16), NIBBLE_LANES))
-        bits = builder.or_(low, builder.shl(high, ir.Constant(high.type, [8] * NIBBLE_LANES)))
-        d = builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), NIBBLE_LANES)), floats)
+        d = halves_to_floats(builder, row(0, ir.IntType(8)), row(1, ir.IntType(8)))
         target = pointer(context, builder, acc_t, acc_v, g_v, floats)
         builder.store(builder.fadd(builder.load(target, align=4), builder.fmul(d, sums[0])), target, align=4)
         return context.get_dummy_value()
