@@ -167,8 +167,7 @@ class GGUFTokenizer:
             stop_ids=frozenset(int(i) for i in state["stop_ids"]),
             special_tokens=dict(state["special_tokens"]),
             chat_template=state["chat_template"],
-            tokenizer_json=tokenizer_json,
-        )
+        )  # not keeping the JSON: 14 MB as a str for Qwen's vocabulary, and a loaded entry is never written
 
     def encode(self, text: str, context: int | None = None) -> list[int]:
         """Token ids for `text`; special tokens written in it (`<|im_start|>`) become their single id.
