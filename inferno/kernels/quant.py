@@ -306,21 +306,21 @@ def _q8_0_block(typingctx, w, b, g, x, acc):
         floats = ir.VectorType(ir.FloatType(), NIBBLE_LANES)
         first = builder.mul(b_v, builder.mul(lanes, ir.Constant(lanes.type, 34)))
 
-        def row(r: int, element: ir.Type) -> ir.Value:  # lanes g..g+15 of byte row r
+        def row(r: int) -> ir.Value:  # lanes g..g+15 of byte row r, <16 x i8>
             at = builder.add(first, builder.add(builder.mul(lanes, ir.Constant(lanes.type, r)), g_v))
-            vector = ir.VectorType(element, NIBBLE_LANES)
+            vector = ir.VectorType(ir.IntType(8), NIBBLE_LANES)
             return builder.load(pointer(context, builder, w_t, w_v, at, vector), align=1)
 
         sums = [ir.Constant(floats, [0.0] * NIBBLE_LANES)] * SUMS
         for j in range(32):
             at = builder.add(builder.mul(b_v, ir.Constant(b_v.type, 32)), ir.Constant(b_v.type, j))
             value = builder.load(pointer(context, builder, x_t, x_v, at, ir.FloatType()))
-            q = builder.sitofp(row(2 + j, ir.IntType(8)), floats)
+            q = builder.sitofp(row(2 + j), floats)
             product = builder.fmul(splat(builder, value, NIBBLE_LANES), q)
             sums[j % SUMS] = builder.fadd(sums[j % SUMS], product)
         while len(sums) > 1:
             sums = [builder.fadd(sums[k], sums[k + 1]) for k in range(0, len(sums), 2)]
-        d = halves_to_floats(builder, row(0, ir.IntType(8)), row(1, ir.IntType(8)))
+        d = halves_to_floats(builder, row(0), row(1))
         target = pointer(context, builder, acc_t, acc_v, g_v, floats)
         builder.store(builder.fadd(builder.load(target, align=4), builder.fmul(d, sums[0])), target, align=4)
         return context.get_dummy_value()
