@@ -114,3 +114,22 @@ def prefetch_ahead(typingctx, array, i):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@intrinsic
+def prefetch_row(typingctx, array, i):
+    """Ask for the bytes of array[i] into L2 (llvm.prefetch, locality 2), as the integer dots ask for
+    their next span; i may lie past the array's end (a prefetch never faults)."""
+    if not isinstance(array, types.Array) or array.layout != "C" or not isinstance(i, types.Integer):
+        return None
+    sig = types.void(array, i)
+
+    def codegen(context, builder, signature, args):
+        struct = context.make_array(signature.args[0])(context, builder, args[0])
+        step = cgutils.unpack_tuple(builder, struct.strides)[0]
+        row = builder.mul(context.cast(builder, args[1], signature.args[1], types.intp), step)
+        prefetch_bytes(builder, builder.gep(builder.bitcast(struct.data, ir.IntType(8).as_pointer()), [row]),
+                       step, locality=2)
+        return context.get_dummy_value()
+
+    return sig, codegen
