@@ -1,8 +1,8 @@
 """The hand-written LLVM IR of our intrinsics, its small builders gathered in one place: vector
 constants, a typed pointer into an array, a scalar splatted across a vector, an LLVM intrinsic
-function declared once per module; and the two intrinsics every streaming kernel uses
-(float_from_bits, prefetch_ahead). The integer dots of inferno.kernels.nibble_dots and the cache's
-block dots (inferno.kv.vectors) build their IR from these."""
+function declared once per module; and the intrinsics the streaming kernels use (float_from_bits;
+prefetch_row for the weights, prefetch_ahead for the cache's rows). The integer dots of
+inferno.kernels.nibble_dots and the cache's block dots (inferno.kv.vectors) build their IR from these."""
 
 from __future__ import annotations
 
@@ -61,9 +61,9 @@ def prefetch_bytes(builder, start: ir.Value, nbytes: ir.Value, locality: int = 3
         builder.call(fetch, [at, ir.Constant(int32, 0), ir.Constant(int32, locality), ir.Constant(int32, 1)])
 
 
-# How far ahead of what they read the streaming loops ask for memory (prefetch_ahead): of 0.5, 1, 2, 3
-# and 6 KiB, 2 KiB decoded fastest on all four models (docs/LOG.md, 2026-11-26); a non-temporal hint
-# was 2x slower.
+# How far ahead of what they read the loops over the cache's rows ask for memory (prefetch_ahead): of
+# 0.5, 1, 2, 3 and 6 KiB, 2 KiB decoded fastest on all four models (docs/LOG.md, 2026-11-26); a
+# non-temporal hint was 2x slower. The weights ask a span ahead instead (prefetch_row).
 PREFETCH_AHEAD = 2048
 
 
@@ -93,6 +93,21 @@ def shift_right(typingctx, word, bits):
     return sig, codegen
 
 
+def _row_signature(array, i):
+    """The signature of a row prefetch (array, i), or None for arguments it does not take."""
+    if not isinstance(array, types.Array) or array.layout != "C" or not isinstance(i, types.Integer):
+        return None
+    return types.void(array, i)
+
+
+def _row(context, builder, signature, args) -> tuple[ir.Value, ir.Value]:
+    """array[i]'s first byte (an i8 pointer) and its size in bytes, for a row prefetch's (array, i)."""
+    struct = context.make_array(signature.args[0])(context, builder, args[0])
+    step = cgutils.unpack_tuple(builder, struct.strides)[0]
+    row = builder.mul(context.cast(builder, args[1], signature.args[1], types.intp), step)
+    return builder.gep(builder.bitcast(struct.data, ir.IntType(8).as_pointer()), [row]), step
+
+
 @intrinsic
 def prefetch_ahead(typingctx, array, i):
     """Ask for as many bytes as array[i] holds, PREFETCH_AHEAD bytes past array[i]'s start, into every
@@ -101,35 +116,26 @@ def prefetch_ahead(typingctx, array, i):
     prefetching, weights and cached rows streamed from memory at about half the speed. The addresses
     may lie past the array's end: a prefetch never faults. (Written in IR, not as a jitted loop: that
     added half a second of compiling to every kernel calling it.)"""
-    if not isinstance(array, types.Array) or array.layout != "C" or not isinstance(i, types.Integer):
-        return None
-    sig = types.void(array, i)
 
     def codegen(context, builder, signature, args):
-        struct = context.make_array(signature.args[0])(context, builder, args[0])
-        step = cgutils.unpack_tuple(builder, struct.strides)[0]
-        row = builder.mul(context.cast(builder, args[1], signature.args[1], types.intp), step)
-        first = builder.gep(builder.bitcast(struct.data, ir.IntType(8).as_pointer()), [row])
+        first, step = _row(context, builder, signature, args)
         prefetch_bytes(builder, builder.gep(first, [ir.Constant(step.type, PREFETCH_AHEAD)]), step)
         return context.get_dummy_value()
 
-    return sig, codegen
+    sig = _row_signature(array, i)
+    return None if sig is None else (sig, codegen)
 
 
 @intrinsic
 def prefetch_row(typingctx, array, i):
-    """Ask for the bytes of array[i] into L2 (llvm.prefetch, locality 2), as the integer dots ask for
-    their next span; i may lie past the array's end (a prefetch never faults)."""
-    if not isinstance(array, types.Array) or array.layout != "C" or not isinstance(i, types.Integer):
-        return None
-    sig = types.void(array, i)
+    """Ask for the bytes of array[i] into L2 (llvm.prefetch, locality 2); i may lie past the array's
+    end (a prefetch never faults). The weight kernels call it with i a span of blocks (SPAN) past the
+    block they read, the distance the integer dots' own span prefetch has."""
 
     def codegen(context, builder, signature, args):
-        struct = context.make_array(signature.args[0])(context, builder, args[0])
-        step = cgutils.unpack_tuple(builder, struct.strides)[0]
-        row = builder.mul(context.cast(builder, args[1], signature.args[1], types.intp), step)
-        prefetch_bytes(builder, builder.gep(builder.bitcast(struct.data, ir.IntType(8).as_pointer()), [row]),
-                       step, locality=2)
+        first, step = _row(context, builder, signature, args)
+        prefetch_bytes(builder, first, step, locality=2)
         return context.get_dummy_value()
 
-    return sig, codegen
+    sig = _row_signature(array, i)
+    return None if sig is None else (sig, codegen)

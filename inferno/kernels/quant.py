@@ -39,7 +39,7 @@ from inferno.errors import InfernoError
 from inferno.kernels.dequant import DEQUANTIZE, dequantize_tile, zero
 from inferno.kernels.ggml import Q4_K, Q5_K, Q6_K, Q8_0
 from inferno.kernels.jit import njit
-from inferno.kernels.llvm_ir import halves_to_floats, pointer, prefetch_ahead, prefetch_row, splat
+from inferno.kernels.llvm_ir import halves_to_floats, pointer, prefetch_row, splat
 from inferno.kernels.nibble_dots import ACTIVATIONS, PACKED, SPAN, integer_activations, quant_dots, sums_size
 from inferno.kernels.nibble_dots import LANES as NIBBLE_LANES
 from inferno.kernels.repack import IN_MEMORY, TILE_BYTES, TileStore, read_tiles
@@ -342,18 +342,15 @@ def _dot_integer(w, parts, scale, sums, acc, qtype, n_parts):
     block's scale and its sums (inferno.kernels.nibble_dots.quant_dots): parts [rows, n_parts, cols], scale
     and sums [rows, blocks]; qtype and n_parts compile-time constants."""
     per = K_SUB_BLOCKS if qtype in (Q4_K, Q5_K, Q6_K) else 1  # blocks of 32 values per block of the tile
-    single, first = parts.shape[0] == 1, 0
-    if single:  # one row: spans of SPAN blocks, each lane group's sums kept in a register
+    first = 0
+    if parts.shape[0] == 1:  # one row: spans of SPAN blocks, each lane group's sums kept in a register
         first = scale.shape[1] - scale.shape[1] % SPAN
         for b in range(0, first, SPAN):
             for g in range(0, acc.shape[1], NIBBLE_LANES):
                 quant_dots(w, b, g, parts, scale, sums, acc, qtype, n_parts, SPAN)
     for b in range(first, scale.shape[1]):  # blocks of 32 values, each unpacked once for every row
-        if b % per == 0:
-            if single:  # ask a span ahead, as the spans do: the next tile's first span is then in L2
-                prefetch_row(w, (b + SPAN) // per)  # (a row of 896 values left 4 of its 28 blocks unasked)
-            else:
-                prefetch_ahead(w, b // per)
+        if b % per == 0:  # a span ahead, as the spans ask: after a single row's last full span, the next
+            prefetch_row(w, (b + SPAN) // per)  # tile's first span is then all in L2 (docs/LOG.md)
         for g in range(0, acc.shape[1], NIBBLE_LANES):
             quant_dots(w, b, g, parts, scale, sums, acc, qtype, n_parts, 1)
 

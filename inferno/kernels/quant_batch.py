@@ -23,8 +23,8 @@ from numba import prange
 from inferno.kernels.dequant import dequantize_tile, f16
 from inferno.kernels.ggml import Q8_0
 from inferno.kernels.jit import njit
-from inferno.kernels.llvm_ir import prefetch_ahead
-from inferno.kernels.nibble_dots import integer_activations, sums_size
+from inferno.kernels.llvm_ir import prefetch_row
+from inferno.kernels.nibble_dots import SPAN, integer_activations, sums_size
 from inferno.kernels.quant import QuantizedMatrix, _dot_integer, integer_parts
 
 GROUP_VALUES = 32  # values of a row dequantized per step: one block of the 32-value types
@@ -105,7 +105,7 @@ def _four_rows_q8_0(w, x, i, acc):
     """acc[i + n, lane] += (row lane of tile w) . x[i + n] for n = 0..3: value j of a block is the
     int8 at byte 2 + j, times the block's d. Eight values per pass."""
     for b in range(w.shape[0]):
-        prefetch_ahead(w, b)
+        prefetch_row(w, b + SPAN)  # as every weight stream asks: a span ahead, into L2
         for j in range(0, 32, 8):
             k = 32 * b + j
             a0, a1, a2, a3 = x[i, k], x[i, k + 1], x[i, k + 2], x[i, k + 3]
