@@ -111,9 +111,9 @@ def _row(context, builder, signature, args) -> tuple[ir.Value, ir.Value]:
 @intrinsic
 def prefetch_ahead(typingctx, array, i):
     """Ask for as many bytes as array[i] holds, PREFETCH_AHEAD bytes past array[i]'s start, into every
-    level of the CPU's caches (llvm.prefetch: read, locality 3), a cache line at a time. A kernel
-    streaming through an array calls it once per row i it is about to read: with only the CPU's own
-    prefetching, weights and cached rows streamed from memory at about half the speed. The addresses
+    level of the CPU's caches (llvm.prefetch: read, locality 3), a cache line at a time. A loop over
+    the cache's rows calls it once per row i it is about to read: with only the CPU's own prefetching,
+    the rows streamed from memory at about half the speed. The addresses
     may lie past the array's end: a prefetch never faults. (Written in IR, not as a jitted loop: that
     added half a second of compiling to every kernel calling it.)"""
 
