@@ -86,6 +86,16 @@ def test_rmsnorm():
     np.testing.assert_allclose(ops.rmsnorm(x, w, 1e-5), want, rtol=1e-5, atol=1e-6)
 
 
+def test_add_rmsnorm_is_the_residual_add_then_the_norm_bit_for_bit():
+    x = rng.standard_normal((3, 960), dtype=np.float32)
+    delta = rng.standard_normal((3, 960), dtype=np.float32)
+    w = rng.standard_normal(960, dtype=np.float32)
+    total = x + delta
+    normed = ops.add_rmsnorm(x, delta, w, 1e-6)
+    np.testing.assert_array_equal(x, total)  # the residual stream took the block's output in place
+    np.testing.assert_array_equal(normed, ops.rmsnorm(total, w, 1e-6))
+
+
 def test_rms_norm_heads_normalises_each_head_alone():
     x = rng.standard_normal((3, 4 * 16), dtype=np.float32)
     w = rng.standard_normal(16, dtype=np.float32)

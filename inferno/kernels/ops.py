@@ -1,5 +1,5 @@
-"""Numba CPU kernels of one transformer forward that are not attention: RMSNorm, RoPE, softmax, the
-MLP's gating, a copy of rows.
+"""Numba CPU kernels of one transformer forward that are not attention: RMSNorm (alone and after the
+residual add), RoPE, softmax, the MLP's gating, a copy of rows.
 
 Every kernel takes float32, C-contiguous arrays (one signature each, so each compiles once and is
 cached on disk). Only kernels with enough work per call run in parallel: a decode step's norms and
@@ -42,18 +42,36 @@ def exp_f32(x: float) -> float:
     return p * float_from_bits(np.uint32(np.int32(k) + 127) << 23)
 
 
+@njit(cache=True, fastmath=True, inline="always")
+def _normed_row(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray) -> None:
+    """out = x [d] scaled to unit root-mean-square, times weight [d]."""
+    d = x.shape[0]
+    ss = 0.0
+    for j in range(d):
+        ss += x[j] * x[j]
+    scale = np.float32(1.0 / math.sqrt(ss / d + eps))
+    for j in range(d):
+        out[j] = weight[j] * (x[j] * scale)
+
+
 @njit(cache=True, fastmath=True)
 def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """Rows of x [n, d] scaled to unit root-mean-square, times weight [d]."""
-    n, d = x.shape
     out = np.empty_like(x)
-    for i in range(n):
-        ss = 0.0
-        for j in range(d):
-            ss += x[i, j] * x[i, j]
-        scale = np.float32(1.0 / math.sqrt(ss / d + eps))
-        for j in range(d):
-            out[i, j] = weight[j] * (x[i, j] * scale)
+    for i in range(x.shape[0]):
+        _normed_row(x[i], weight, eps, out[i])
+    return out
+
+
+@njit(cache=True, fastmath=True)
+def add_rmsnorm(x: np.ndarray, delta: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x += delta in place (the residual stream taking a block's output, [n, d]), and returns
+    rmsnorm(x, weight, eps) of the sum: the next block's input, in one call instead of two."""
+    out = np.empty_like(x)
+    for i in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            x[i, j] += delta[i, j]
+        _normed_row(x[i], weight, eps, out[i])
     return out
 
 

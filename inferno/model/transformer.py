@@ -272,10 +272,11 @@ class Transformer:
             raise ValueError(f"{len(tokens)} tokens for sequences of {batch.counts} new tokens")
         matmul = self._matmul_for(batch.n_tokens)
         c = self.config
-        x = self._embed(tokens)
+        x = self._embed(tokens)  # the residual stream [N, hidden]; each block's output is added in place
+        h = ops.rmsnorm(x, self.layers[0].attn_norm, c.rms_eps)  # the next block's input, normed
         turns: dict[int, np.ndarray] = {}  # RoPE base's frequencies -> the tokens' rotations (ops.rotations)
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, ops.rmsnorm(x, layer.attn_norm, c.rms_eps), matmul)
+            q, k, v = self._qkv(layer, h, matmul)
             inv_freq = self.layer_inv_freq[i]
             if id(inv_freq) not in turns:
                 turns[id(inv_freq)] = ops.rotations(batch.positions, inv_freq)
@@ -284,11 +285,13 @@ class Transformer:
             if queries is not None:
                 queries.append(q[-1])
             attn = batch.attend(i, q, k, v, c.n_heads, c.layer_windows[i])
-            x = x + self._post_norm((matmul or QuantizedMatrix.matmul)(layer.wo, attn), layer.post_attn_norm)
-            x = x + self._mlp(layer, x, matmul)
+            out = self._post_norm((matmul or QuantizedMatrix.matmul)(layer.wo, attn), layer.post_attn_norm)
+            h = ops.add_rmsnorm(x, out, layer.ffn_norm, c.rms_eps)
+            following = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.output_norm
+            h = ops.add_rmsnorm(x, self._mlp(layer, h, matmul), following, c.rms_eps)
         batch.commit()
-        rows = x if every_logit else x[batch.last_rows]
-        logits = self._logits(rows, self._matmul_for(len(rows)))
+        rows = h if every_logit else h[batch.last_rows]  # normed by the output norm
+        logits = (self._matmul_for(len(rows)) or QuantizedMatrix.matmul)(self.output, rows)
         return logits[0] if single and not every_logit else logits
 
     def _matmul_for(self, n_rows: int) -> MatMul | None:
@@ -346,15 +349,11 @@ class Transformer:
     def _post_norm(self, out: np.ndarray, weight: np.ndarray | None) -> np.ndarray:
         return out if weight is None else ops.rmsnorm(out, weight, self.config.rms_eps)
 
-    def _mlp(self, layer: Layer, x: np.ndarray, matmul: MatMul | None = None) -> np.ndarray:
-        h = ops.rmsnorm(x, layer.ffn_norm, self.config.rms_eps)
+    def _mlp(self, layer: Layer, h: np.ndarray, matmul: MatMul | None = None) -> np.ndarray:
+        """The MLP block's output for its normed input h [T, hidden]."""
         gate, up = layer.gate_up(h, matmul)
         gated = ops.gated(ACTIVATIONS[self.config.ffn_activation], gate, up)
         return self._post_norm((matmul or QuantizedMatrix.matmul)(layer.w_down, gated), layer.post_ffn_norm)
-
-    def _logits(self, x: np.ndarray, matmul: MatMul | None = None) -> np.ndarray:
-        h = ops.rmsnorm(x, self.output_norm, self.config.rms_eps)
-        return (matmul or QuantizedMatrix.matmul)(self.output, h)
 
 
 ACTIVATIONS = {"silu": ops.silu_gate, "gelu_tanh": ops.gelu_tanh_gate}
