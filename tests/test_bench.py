@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -103,3 +104,32 @@ def test_the_sgemm_peak_counts_the_prefill_products_of_the_model():
     got = sgemm_peak.in_process(str(TINY), tokens=16, threads=1, rounds=1)
     assert got["gflop"] == pytest.approx(2 * 16 * per_layer * config.n_layers / 1e9)
     assert got["seconds"] > 0 and got["tok_s"] == pytest.approx(16 / got["seconds"])
+
+
+def test_ab_installs_a_version_under_its_own_name_with_its_imports_renamed(tmp_path):
+    from inferno.bench.ab import install
+
+    module = b"from inferno.kv import b\nname = 'inferno-share'\n"
+    files = {"__init__.py": b"import inferno\n", "kv/a.py": module}
+    name = install(files, tmp_path)
+    assert name.startswith("inferno_") and install(files, tmp_path) == name  # named by content
+    assert (tmp_path / name / "__init__.py").read_text() == f"import {name}\n"
+    renamed = module.decode().replace("inferno.kv", f"{name}.kv")  # the string's name is left alone
+    assert (tmp_path / name / "kv" / "a.py").read_text() == renamed
+    assert install({**files, "__init__.py": b"import inferno  # changed\n"}, tmp_path) != name
+
+
+def test_ab_runs_two_versions_in_one_process_and_compares_their_logits(tmp_path):
+    env = {**os.environ, "INFERNO_CACHE_DIR": str(tmp_path)}
+
+    def ab(model: Path, *args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "inferno.bench.ab", str(model), "worktree", "worktree", *args]
+        return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+
+    run = ab(TINY, "--steps", "2", "--rounds", "2")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert "logits bit for bit the same" in lines[0]
+    assert [line.split(":")[0] for line in lines[1:]] == ["round 1", "round 2"]
+    missing = ab(tmp_path / "none.gguf")
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "no such file" in missing.stderr
