@@ -8,8 +8,8 @@ is copied under its own package name (its `inferno` imports renamed), both are i
 the model and prefills the same tokens into its own cache, and their decode steps take turns (the
 order flipping every step). Separate processes minutes apart see the machine's other tenants come
 and go; here both versions see the same minutes. Two copies of one version differ by a few percent:
-run `ab MODEL HEAD HEAD` for the noise of the day. Reports the median step of each, per round, and
-whether the two gave the same logits bit for bit.
+run `ab MODEL HEAD HEAD` for the noise of the day. Reports the median step of each per round, with
+BEFORE's over AFTER's (above 1x: AFTER is faster), and whether the two gave the same logits bit for bit.
 
 The copies are kept (the cache directory, by content), so their Numba kernels compile once.
 """
@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
         before, after = (seconds * 1e3 for seconds in alternating(versions, args.steps))
         print(f"round {r + 1}: {args.before} {before:.2f} ms, {args.after} {after:.2f} ms a step "
               f"({before / after:.3f}x)")
+
 
 if __name__ == "__main__":
     main()
