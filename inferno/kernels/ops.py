@@ -143,13 +143,8 @@ def rms_norm_heads(x: np.ndarray, n_heads: int, weight: np.ndarray, eps: float) 
     head_dim = weight.shape[0]
     for t in range(x.shape[0]):
         for h in range(n_heads):
-            base = h * head_dim
-            ss = 0.0
-            for j in range(head_dim):
-                ss += x[t, base + j] * x[t, base + j]
-            scale = np.float32(1.0 / math.sqrt(ss / head_dim + eps))
-            for j in range(head_dim):
-                x[t, base + j] = weight[j] * (x[t, base + j] * scale)
+            head = x[t, h * head_dim : (h + 1) * head_dim]
+            _normed_row(head, weight, eps, head)
 
 
 MAX_LANES = 16  # running maxima kept side by side in row_max: one zmm register of float32
