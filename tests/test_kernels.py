@@ -11,7 +11,7 @@ from numba import njit
 from threadpoolctl import threadpool_info
 
 from inferno.file.config import ModelConfig
-from inferno.kernels import attention, llvm_ir, ops, sharing
+from inferno.kernels import attention, attention_tiles, llvm_ir, ops, sharing
 from inferno.model.transformer import rope_frequencies
 
 rng = np.random.default_rng(0)
@@ -225,6 +225,48 @@ def test_attention_decode_is_the_last_row_of_causal_attention(s):
     v = rng.standard_normal((s, 2 * 16), dtype=np.float32)
     got = attention.attention_decode(q[0], k, v, 8)
     np.testing.assert_allclose(got, reference_attention(q, k, v, 8, s - 1)[0], atol=1e-5)
+
+
+# (query heads, KV heads, head_dim): the four models' shapes (the 1.5B's, SmolLM2's, Gemma 3's, the
+# 0.5B's), and a head_dim no tile divides (its rows one at a time)
+@pytest.mark.parametrize("heads,kv_heads,head_dim",
+                         [(12, 2, 128), (9, 3, 64), (4, 1, 256), (14, 2, 64), (6, 2, 24)])
+@pytest.mark.parametrize("s", [16, 47, 200])  # whole tiles; tiles and single rows; several spans
+def test_attention_decode_of_model_shapes_in_tiles_and_single_rows(heads, kv_heads, head_dim, s):
+    q = rng.standard_normal((1, heads * head_dim), dtype=np.float32)
+    k = rng.standard_normal((s, kv_heads * head_dim), dtype=np.float32)
+    v = rng.standard_normal((s, kv_heads * head_dim), dtype=np.float32)
+    got = attention.attention_decode(q[0], k, v, heads)
+    np.testing.assert_allclose(got, reference_attention(q, k, v, heads, s - 1)[0], atol=2e-5)
+
+
+@pytest.mark.parametrize("tile", [8, 16])  # the two widths the module compiles for (AVX2, AVX-512)
+def test_tile_kernels_at_either_vector_width(tile, monkeypatch):
+    """score_tile and mix_tile against their definitions, on rows strided as a cache's, at a width set
+    before they compile (TILE is read as their IR is built)."""
+    monkeypatch.setattr(attention_tiles, "TILE", tile)
+    heads, head_dim, stride = 3, 4 * tile, 6 * tile  # a KV head's 3 query heads; rows wider than a head
+    q = rng.standard_normal(heads * head_dim, dtype=np.float32)
+    rows = rng.standard_normal((tile + 2, stride), dtype=np.float32)
+    weights = rng.standard_normal((heads, tile + 5), dtype=np.float32)
+
+    @njit
+    def tiles(q, rows, weights, out):
+        scores = np.zeros((heads, tile + 5), np.float32)
+        attention_tiles.score_tile(q, 0, rows, stride + tile, stride, heads, head_dim, scores, 2, tile + 5,
+                                   np.float32(0.5), 2 * stride)
+        attention_tiles.mix_tile(weights, 3, tile + 5, rows, stride + tile, stride, heads, head_dim, out, 0,
+                                 2 * stride)
+        return scores
+
+    seen = rows[1 : 1 + tile, tile : tile + head_dim]  # the tile's rows, the KV head's columns
+    out = rng.standard_normal(heads * head_dim, dtype=np.float32)
+    expected_out = out + np.concatenate([weights[i, 3 : 3 + tile] @ seen for i in range(heads)])
+    scores = tiles(q, rows, weights, out)
+    expected = np.zeros((heads, tile + 5), np.float32)
+    expected[:, 2 : 2 + tile] = 0.5 * q.reshape(heads, head_dim) @ seen.T
+    np.testing.assert_allclose(scores, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, expected_out, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("n_pos", [1, 2, 15, 16, 31, 32, 100, 128, 129, 256, 257, 2048, 2049])

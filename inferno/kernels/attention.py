@@ -11,12 +11,14 @@ import math
 import numba
 import numpy as np
 
+from inferno.kernels.attention_tiles import TILE, mix_tile, score_tile
 from inferno.kernels.jit import njit
-from inferno.kernels.llvm_ir import prefetch_ahead
+from inferno.kernels.llvm_ir import prefetch_ahead, prefetch_row
 from inferno.kernels.ops import MAX_LANES, causal_softmax, exp_f32, row_max
 from inferno.kernels.sharing import dealt
 
 DECODE_SPAN = 128  # most cached positions per parallel task of decode attention
+TILE_AHEAD = 64  # rows ahead of a tile its kernels ask memory for (attention_tiles)
 MIN_SPAN = 16  # fewest: below this a task costs more to hand out than its positions take
 
 
@@ -44,15 +46,23 @@ def attend_span(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: in
 
 @njit(cache=True, fastmath=True)
 def score_span(q: np.ndarray, keys: np.ndarray, n_heads: int, weights: np.ndarray, col: int) -> None:
-    """weights[h, col + s] = q_h . k_s / sqrt(head_dim) over float32 rows keys [n, kv_width]. Each K row
-    is read once, whole, for all heads (1.7x faster than a pass per head once the cache outgrows the
-    CPU caches); inner loops run over slices so LLVM vectorizes them."""
+    """weights[h, col + s] = q_h . k_s / sqrt(head_dim) over float32 rows keys [n, kv_width]: TILE rows at
+    a time (attention_tiles.score_tile), the last n % TILE one at a time, each read once, whole, for all
+    heads (inner loops over slices, which LLVM vectorizes)."""
     n_pos, kv_width = keys.shape
     head_dim = q.shape[0] // n_heads
     n_kv = kv_width // head_dim
     group = n_heads // n_kv  # query heads h = g * group + i share KV head g
     scale = np.float32(1.0 / math.sqrt(head_dim))
-    for s in range(n_pos):
+    width = weights.shape[1]
+    tiled = n_pos - n_pos % TILE if head_dim % TILE == 0 else 0
+    for s in range(min(TILE_AHEAD, tiled)):  # the tiles ask TILE_AHEAD rows past their own
+        prefetch_row(keys, s)
+    for s0 in range(0, tiled, TILE):
+        for g in range(n_kv):
+            score_tile(q, g * group * head_dim, keys, s0 * kv_width + g * head_dim, kv_width, group, head_dim,
+                       weights, g * group * width + col + s0, width, scale, TILE_AHEAD * kv_width)
+    for s in range(tiled, n_pos):
         prefetch_ahead(keys, s)
         for g in range(n_kv):
             kh = keys[s, g * head_dim : (g + 1) * head_dim]
@@ -76,12 +86,21 @@ def mix_span(weights: np.ndarray, values: np.ndarray, n_heads: int, out: np.ndar
 
 @njit(cache=True, fastmath=True)
 def mix_values(weights: np.ndarray, values: np.ndarray, n_heads: int, out: np.ndarray, col: int) -> None:
-    """out[h] += sum_s weights[h, col + s] * v_s over float32 rows values [n, kv_width]."""
+    """out[h] += sum_s weights[h, col + s] * v_s over float32 rows values [n, kv_width]: TILE rows at a
+    time (attention_tiles.mix_tile), the last n % TILE one at a time."""
     n_pos, kv_width = values.shape
     head_dim = out.shape[0] // n_heads
     n_kv = kv_width // head_dim
     group = n_heads // n_kv
-    for s in range(n_pos):
+    width = weights.shape[1]
+    tiled = n_pos - n_pos % TILE if head_dim % TILE == 0 else 0
+    for s in range(min(TILE_AHEAD, tiled)):
+        prefetch_row(values, s)
+    for s0 in range(0, tiled, TILE):
+        for g in range(n_kv):
+            mix_tile(weights, g * group * width + col + s0, width, values, s0 * kv_width + g * head_dim,
+                     kv_width, group, head_dim, out, g * group * head_dim, TILE_AHEAD * kv_width)
+    for s in range(tiled, n_pos):
         prefetch_ahead(values, s)
         for g in range(n_kv):
             vh = values[s, g * head_dim : (g + 1) * head_dim]

@@ -48,17 +48,21 @@ def halves_to_floats(builder, low: ir.Value, high: ir.Value) -> ir.Value:
     return builder.fpext(halves, ir.VectorType(ir.FloatType(), n))
 
 
-def prefetch_bytes(builder, start: ir.Value, nbytes: ir.Value, locality: int = 3) -> None:
-    """Ask for the cache lines of bytes start..start+nbytes (an i8 pointer and a count) into the CPU's
-    caches (llvm.prefetch, read): with locality 3 into every level, with 2 into L2 and beyond (x86's
-    prefetcht1). A prefetch never faults, so the bytes may lie past an array's end."""
+def prefetch_line(builder, at: ir.Value, locality: int = 3) -> None:
+    """Ask for the cache line holding the byte at `at` (an i8 pointer) into the CPU's caches
+    (llvm.prefetch, read): with locality 3 into every level, with 2 into L2 and beyond (x86's
+    prefetcht1). A prefetch never faults, so the byte may lie past an array's end."""
     byte_pointer, int32 = ir.IntType(8).as_pointer(), ir.IntType(32)
     fetch = declared(builder.module, "llvm.prefetch.p0",
                      ir.FunctionType(ir.VoidType(), [byte_pointer, int32, int32, int32]))
+    builder.call(fetch, [at, ir.Constant(int32, 0), ir.Constant(int32, locality), ir.Constant(int32, 1)])
+
+
+def prefetch_bytes(builder, start: ir.Value, nbytes: ir.Value, locality: int = 3) -> None:
+    """prefetch_line for each cache line of bytes start..start+nbytes (an i8 pointer and a count)."""
     zero, line = ir.Constant(nbytes.type, 0), ir.Constant(nbytes.type, 64)
     with cgutils.for_range_slice(builder, zero, nbytes, line) as (offset, _):
-        at = builder.gep(start, [offset])
-        builder.call(fetch, [at, ir.Constant(int32, 0), ir.Constant(int32, locality), ir.Constant(int32, 1)])
+        prefetch_line(builder, builder.gep(start, [offset]), locality)
 
 
 # How far ahead of what they read the loops over the cache's rows ask for memory (prefetch_ahead): of
