@@ -17,8 +17,9 @@ from gguf import GGMLQuantizationType as Q
 from inferno.errors import InfernoError
 from inferno.kernels import nibble_dots, quant, sharing
 from inferno.kernels.jit import njit
-from inferno.kernels.quant import FUSED, SUPPORTED, WIDE_TILE_ROWS, QuantizedMatrix, tensor_to_float32
+from inferno.kernels.quant import FUSED, SUPPORTED, QuantizedMatrix, tensor_to_float32
 from inferno.kernels.quant_batch import batch_matmul
+from inferno.kernels.repack import TILE_BYTES
 
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 PACKED_TYPES = tuple(Q(t) for t in nibble_dots.PACKED)  # every type with integer dots
@@ -69,16 +70,20 @@ def assert_close(got: np.ndarray, w: np.ndarray, x: np.ndarray) -> None:
     assert np.all(np.abs(got - exact) <= 1e-5 * scale + 1e-30)
 
 
-# rows not a multiple of any tile height, so the last tile is padded; 512 columns hold 2 K-quant super-blocks
+# rows not a multiple of any tile height, so the last tile is padded (the packed types' tiles: 64 rows, and
+# 256 for the matrix of many rows); 512 columns hold 2 K-quant super-blocks
 @pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [2 * WIDE_TILE_ROWS + 6, 3])
+@pytest.mark.parametrize("rows", [2 * 64 + 6, 3, 16 * 256 - 10])
 def test_matrix_matches_gguf(tmp_path, qtype, rows):
     rng = np.random.default_rng(int(qtype) * 100 + rows)
     cols = 512
     tensor = write_gguf(tmp_path / "w.gguf", {"w": (qtype, make_blocks(qtype, rows, cols, rng))})["w"]
     m = QuantizedMatrix.from_tensor(tensor)
     assert (m.rows, m.cols, m.qtype, m.name) == (rows, cols, qtype, "w")
-    assert tensor.n_bytes <= m.nbytes <= tensor.n_bytes * (1 + WIDE_TILE_ROWS / rows)
+    lanes = m.tiles.shape[3]
+    assert lanes == (256 if rows > 4000 else 64) if qtype in PACKED_TYPES else quant.TILE_ROWS
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    assert m.nbytes == -(-rows // lanes) * lanes * cols // block * TILE_BYTES.get(int(qtype), type_size)
 
     ref = reference(tensor)
     assert np.isfinite(ref).all()
@@ -101,7 +106,7 @@ def test_matrix_matches_gguf(tmp_path, qtype, rows):
 
 def test_matvec_is_the_same_on_any_thread_count(tmp_path):
     rng = np.random.default_rng(1)
-    blocks = make_blocks(Q.Q4_1, 8 * WIDE_TILE_ROWS, 256, rng)
+    blocks = make_blocks(Q.Q4_1, 8 * 64, 256, rng)
     tensor = write_gguf(tmp_path / "w.gguf", {"w": (Q.Q4_1, blocks)})["w"]
     m = QuantizedMatrix.from_tensor(tensor)
     x = rng.standard_normal(256).astype(np.float32)
@@ -122,7 +127,7 @@ def test_blas_chunks_hold_every_weight_bit_for_bit_whatever_the_span(tmp_path, q
     rng = np.random.default_rng(3)
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     cols = 3 * 256 if block == 256 else 11 * 32
-    rows = 2 * WIDE_TILE_ROWS + 3
+    rows = 2 * 64 + 3
     tensor = write_gguf(tmp_path / "w.gguf", {"w": (qtype, make_blocks(qtype, rows, cols, rng))})["w"]
     m = QuantizedMatrix.from_tensor(tensor)
     tiles, lanes = m._tiles, m._tiles.shape[3]
@@ -134,7 +139,7 @@ def test_blas_chunks_hold_every_weight_bit_for_bit_whatever_the_span(tmp_path, q
 @pytest.mark.parametrize("chunk_bytes", [1, 1 << 20, 64 << 20], ids=["tile-chunks", "uneven", "one-chunk"])
 def test_matmul_splits_its_chunks_over_threads_without_changing_a_value(tmp_path, monkeypatch, chunk_bytes):
     rng = np.random.default_rng(2)
-    rows, cols = 7 * WIDE_TILE_ROWS + 5, 512  # 8 tiles, the last one padded: spans of unequal sizes
+    rows, cols = 7 * 64 + 5, 512  # 8 tiles, the last one padded: spans of unequal sizes
     tensor = write_gguf(tmp_path / "w.gguf", {"w": (Q.Q4_K, make_blocks(Q.Q4_K, rows, cols, rng))})["w"]
     m = QuantizedMatrix.from_tensor(tensor)
     x = rng.standard_normal((40, cols)).astype(np.float32)

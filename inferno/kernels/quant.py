@@ -46,7 +46,10 @@ from inferno.kernels.repack import IN_MEMORY, TILE_BYTES, TileStore, read_tiles
 from inferno.kernels.sharing import in_spans
 
 TILE_ROWS = 32  # lanes per tile: full SIMD loops, yet enough tiles to share small matrices between threads
-WIDE_TILE_ROWS = 64  # for 4-bit blocks, whose matvec measured 1.2x faster on 64 lanes (Q8_0: 1.4x slower)
+# The packed types' tiles (PACKED): 64 lanes at least (1.2x faster than 32; Q8_0 is 1.4x slower on 64),
+# wider for matrices with many rows (tile_lanes)
+PACKED_TILE_ROWS = (256, 128, 64)
+MIN_TILES = 12  # fewest tiles a wider layout may cut a matrix into: 6 a thread on 2, 3 on 4
 MATMUL_CHUNK_BYTES = 8 << 20  # float32 scratch holding one chunk of dequantized rows in matmul
 SPAN_BYTES = 128 << 10  # at most this much of W.T written between two spans (a core's cache holds it)
 SUMS = 4  # independent float sums per Q8_0 block (_q8_0_block)
@@ -267,11 +270,26 @@ def _matrix_shape(tensor: gguf.ReaderTensor) -> tuple[QType, int, int]:
     return qtype, rows, cols
 
 
+def tile_lanes(qtype: QType, rows: list[int]) -> int:
+    """Rows of a tile holding weights of `rows` rows each, stacked. For the packed types, the widest of
+    PACKED_TILE_ROWS that still cuts them into MIN_TILES tiles or more, padded by at most 1/16: a
+    decode step read the wide matrices of the four models 1.04-1.15x faster in tiles of 256 rows than
+    of 64 (docs/LOG.md), while narrow ones lost as much to threads left idle and padding."""
+    if int(qtype) not in PACKED:
+        return TILE_ROWS
+    total = sum(rows)
+    for lanes in PACKED_TILE_ROWS[:-1]:
+        tiles = sum(-(-n // lanes) for n in rows)
+        if tiles >= MIN_TILES and 16 * (tiles * lanes - total) <= total:
+            return lanes
+    return PACKED_TILE_ROWS[-1]
+
+
 def tile_layout(qtype: QType, rows: list[int], cols: int) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
     """The tiles' shape holding weights of `rows` rows each, stacked, and each one's (first row, rows)."""
     if qtype not in SUPPORTED:
         raise ValueError(f"block type {qtype!r} is not supported")
-    lanes = WIDE_TILE_ROWS if int(qtype) in PACKED else TILE_ROWS
+    lanes = tile_lanes(qtype, rows)
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     type_size = TILE_BYTES.get(int(qtype), type_size)
     if cols < 1 or cols % block or min(rows, default=0) < 1:

@@ -46,7 +46,7 @@ from inferno.model.validate import check_config, expected_tensors
 from inferno.text.tokenizer import GGUFTokenizer
 
 MAGIC = b"INFERNO-PREPARED"
-VERSION = 6  # bumped whenever what an entry holds, or the tile layout of quant.py, changes
+VERSION = 7  # bumped whenever what an entry holds, or the tile layout of quant.py, changes
 ALIGN = 64  # bytes: every array starts on a cache line
 HEADER_PLACE = len(MAGIC) + 16  # the header's offset and length (little-endian uint64s) follow MAGIC
 SAMPLE_BYTES = 1 << 20  # of the model file's start and end, hashed into its identity
