@@ -272,9 +272,9 @@ def _matrix_shape(tensor: gguf.ReaderTensor) -> tuple[QType, int, int]:
 
 def tile_lanes(qtype: QType, rows: list[int]) -> int:
     """Rows of a tile holding weights of `rows` rows each, stacked. For the packed types, the widest of
-    PACKED_TILE_ROWS that still cuts them into MIN_TILES tiles or more, padded by at most 1/16: a
-    decode step read the wide matrices of the four models 1.04-1.15x faster in tiles of 256 rows than
-    of 64 (docs/LOG.md), while narrow ones lost as much to threads left idle and padding."""
+    PACKED_TILE_ROWS that still cuts them into MIN_TILES tiles or more, padded by at most 1/16: decode
+    reads matrices of many rows faster in wide tiles, while a narrow matrix in few wide ones leaves
+    threads idle and reads padding (docs/LOG.md has the figures)."""
     if int(qtype) not in PACKED:
         return TILE_ROWS
     total = sum(rows)
