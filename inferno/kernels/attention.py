@@ -44,6 +44,17 @@ def attend_span(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_heads: in
     mix_span(weights, values, n_heads, out, stats)
 
 
+@njit(cache=True)
+def _first_tiles(rows: np.ndarray, head_dim: int) -> int:
+    """How many of the rows [n, kv_width] go through the tile kernels (whole tiles, when a head is whole
+    vectors; else none), their first TILE_AHEAD rows asked for (each tile asks TILE_AHEAD past its own)."""
+    n_pos = rows.shape[0]
+    tiled = n_pos - n_pos % TILE if head_dim % TILE == 0 else 0
+    for s in range(min(TILE_AHEAD, tiled)):
+        prefetch_row(rows, s)
+    return tiled
+
+
 @njit(cache=True, fastmath=True)
 def score_span(q: np.ndarray, keys: np.ndarray, n_heads: int, weights: np.ndarray, col: int) -> None:
     """weights[h, col + s] = q_h . k_s / sqrt(head_dim) over float32 rows keys [n, kv_width]: TILE rows at
@@ -55,9 +66,7 @@ def score_span(q: np.ndarray, keys: np.ndarray, n_heads: int, weights: np.ndarra
     group = n_heads // n_kv  # query heads h = g * group + i share KV head g
     scale = np.float32(1.0 / math.sqrt(head_dim))
     width = weights.shape[1]
-    tiled = n_pos - n_pos % TILE if head_dim % TILE == 0 else 0
-    for s in range(min(TILE_AHEAD, tiled)):  # the tiles ask TILE_AHEAD rows past their own
-        prefetch_row(keys, s)
+    tiled = _first_tiles(keys, head_dim)
     for s0 in range(0, tiled, TILE):
         for g in range(n_kv):
             score_tile(q, g * group * head_dim, keys, s0 * kv_width + g * head_dim, kv_width, group, head_dim,
@@ -93,9 +102,7 @@ def mix_values(weights: np.ndarray, values: np.ndarray, n_heads: int, out: np.nd
     n_kv = kv_width // head_dim
     group = n_heads // n_kv
     width = weights.shape[1]
-    tiled = n_pos - n_pos % TILE if head_dim % TILE == 0 else 0
-    for s in range(min(TILE_AHEAD, tiled)):
-        prefetch_row(values, s)
+    tiled = _first_tiles(values, head_dim)
     for s0 in range(0, tiled, TILE):
         for g in range(n_kv):
             mix_tile(weights, g * group * width + col + s0, width, values, s0 * kv_width + g * head_dim,

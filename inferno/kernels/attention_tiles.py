@@ -20,24 +20,15 @@ values further on, into L2.
 
 from __future__ import annotations
 
-import numba
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
 
-from inferno.kernels import jit  # noqa: F401  (sets the compile target TILE is read from)
+from inferno.kernels.jit import compiled_for
 from inferno.kernels.llvm_ir import constant, pointer, prefetch_line, splat
 
-
-def _vector_floats() -> int:
-    """float32 lanes of the widest vector the kernels compile for."""
-    features = numba.config.CPU_FEATURES or get_host_cpu_features()
-    return 16 if "+avx512f" in features.split(",") else 8
-
-
-TILE = _vector_floats()  # positions of a tile, lanes of a vector
+TILE = 16 if compiled_for("+avx512f") else 8  # positions of a tile, float32 lanes of the widest vector
 _INT = ir.IntType(32)
 _FAST = ("fast",)  # products and sums contract to multiply-adds and may be reordered
 

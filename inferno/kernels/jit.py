@@ -21,7 +21,13 @@ from numba.core import caching
 from numba.core.codegen import get_host_cpu_features
 from numba.core.registry import cpu_target
 
-__all__ = ["njit"]
+__all__ = ["compiled_for", "njit"]
+
+
+def compiled_for(feature: str) -> bool:
+    """Whether the kernels are compiled for a CPU with `feature` (as "+avx512f"): the features Numba
+    compiles for (set below, or by the user), which its kernel cache is keyed by."""
+    return feature in (numba.config.CPU_FEATURES or get_host_cpu_features()).split(",")
 
 
 def full_width_features() -> str | None:

@@ -41,16 +41,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
 
 from inferno.kernels.ggml import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
-from inferno.kernels.jit import njit  # first: the target is set before any kernel is defined
+from inferno.kernels.jit import compiled_for, njit  # first: the target is set before any kernel is defined
 from inferno.kernels.llvm_ir import constant, declared, halves_to_floats, pointer, prefetch_bytes, splat
 
 LANES = 16  # rows summed per call: the int32 lanes of one 512-bit register
@@ -69,7 +67,7 @@ _BYTE, _SHORT, _INT = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 
 def has_vnni() -> bool:
     """Whether the kernels are compiled for a CPU with AVX512-VNNI."""
-    return "+avx512vnni" in (numba.config.CPU_FEATURES or get_host_cpu_features()).split(",")
+    return compiled_for("+avx512vnni")
 
 
 @njit(cache=True, fastmath=True)
