@@ -16,6 +16,7 @@ import pytest
 from conftest import FIXTURES, greedy
 
 from inferno.errors import InfernoError
+from inferno.kernels.file_rows import FileRows
 from inferno.kv import make_cache
 from inferno.model import prepared
 
@@ -190,6 +191,25 @@ def test_a_bad_entry_is_rebuilt_never_used(cache_dir, model_file, damage):
     assert rebuilt.cache == "miss"
     same_model(built, rebuilt)
     assert prepared.load(model_file).cache == "hit"  # the rebuilt entry is good
+
+
+def test_an_untied_embedding_is_read_from_the_model_file_not_copied(cache_dir, tmp_path):
+    path = tmp_path / "untied.gguf"
+    shutil.copyfile(FIXTURES / "tiny_qwen3.gguf", path)  # an output matrix of its own
+    built = prepared.load(path)
+    raw = prepared.entry_path(path).read_bytes()
+    at, length = (int(n) for n in np.frombuffer(raw, "<u8", 2, len(prepared.MAGIC)))
+    header = json.loads(raw[at : at + length])
+    assert set(header["in_file"]) == {"token_embd.weight"} and "token_embd.weight" not in header["arrays"]
+    assert all("token_embd.weight" not in spec["names"] for spec in header["matrices"].values())
+    hit = prepared.load(path)
+    assert hit.cache == "hit" and isinstance(hit.model.embedding, FileRows)
+    same_model(built, hit)
+    rewrite_header(prepared.entry_path(path), lambda h: h["in_file"]["token_embd.weight"].update(
+        offset=path.stat().st_size - 8))  # past the end of the model file: rebuilt
+    rebuilt = prepared.load(path)
+    assert rebuilt.cache == "miss"
+    same_model(built, rebuilt)
 
 
 def test_an_unwritable_cache_is_skipped(tmp_path, monkeypatch, model_file):

@@ -103,7 +103,7 @@ class QuantizedMatrix:
 
         store: where the tiles are built (in memory by default; the prepared-model cache builds them in
         its file)."""
-        shapes = [_matrix_shape(t) for t in tensors]
+        shapes = [matrix_shape(t) for t in tensors]
         qtype, cols = shapes[0][0], shapes[0][2]
         if any((q, c) != (qtype, cols) for q, _, c in shapes):
             raise ValueError(f"cannot stack {[t.name for t in tensors]}: block types or row lengths differ")
@@ -256,7 +256,7 @@ def _check_supported(tensor: gguf.ReaderTensor) -> QType:
     return qtype
 
 
-def _matrix_shape(tensor: gguf.ReaderTensor) -> tuple[QType, int, int]:
+def matrix_shape(tensor: gguf.ReaderTensor) -> tuple[QType, int, int]:
     """(block type, rows, cols) of a 2-D weight we can compute with."""
     qtype = _check_supported(tensor)
     dims = [int(n) for n in tensor.shape]

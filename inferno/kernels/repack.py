@@ -193,15 +193,13 @@ def _tensor_bytes(tensor: gguf.ReaderTensor, start: int, length: int) -> Iterato
     bytes whose pages are dropped afterwards: pages touched in the reader's own map would stay resident
     next to the repacked copy, doubling the model's memory, and read() into a buffer copies every byte
     once more. A tensor not in a file (a reader over bytes) gives a view of its array."""
-    array = tensor.data
-    while isinstance(array, np.ndarray) and not (isinstance(array, np.memmap) and array.filename):
-        array = array.base
-    if not isinstance(array, np.memmap):
+    place = mapped_file(tensor)
+    if place is None:
         yield np.ascontiguousarray(tensor.data).view(np.uint8).reshape(-1)[start : start + length]
         return
-    at = int(tensor.data_offset) + start
+    at = place[1] + start
     page = at - at % mmap.ALLOCATIONGRANULARITY
-    with open(array.filename, "rb") as f:
+    with open(place[0], "rb") as f:
         if os.fstat(f.fileno()).st_size < at + length:
             raise InfernoError(f"tensor {tensor.name}: file ends inside the tensor's data")
         window = mmap.mmap(f.fileno(), at + length - page, access=mmap.ACCESS_READ, offset=page)
@@ -209,3 +207,12 @@ def _tensor_bytes(tensor: gguf.ReaderTensor, start: int, length: int) -> Iterato
         yield np.frombuffer(window, np.uint8, length, at - page)
     finally:
         window.madvise(mmap.MADV_DONTNEED)  # out of this process's memory (the page cache keeps them)
+
+
+def mapped_file(tensor: gguf.ReaderTensor) -> tuple[str, int] | None:
+    """(the file, the byte where the tensor's data starts in it) for a tensor read from a file through
+    gguf's memory map; None for a reader over bytes."""
+    array = tensor.data
+    while isinstance(array, np.ndarray) and not (isinstance(array, np.memmap) and array.filename):
+        array = array.base
+    return (array.filename, int(tensor.data_offset)) if isinstance(array, np.memmap) else None

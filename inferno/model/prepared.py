@@ -14,7 +14,7 @@ entry that cannot be written is skipped: the cache only saves time.
 An entry: the 16 bytes of MAGIC, the JSON header's offset and length (little-endian uint64s), the
 arrays, each at an offset in the file (a multiple of ALIGN) that the header lists with its dtype and
 shape, then the header. The header comes last because the weights are written before it is known.
-"""
+An untied embedding is not copied: the header gives where its blocks lie in the model file (FileRows)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from gguf import GGMLQuantizationType as QType
 from inferno.errors import InfernoError
 from inferno.file.config import ModelConfig
 from inferno.file.reader import open_gguf
+from inferno.kernels.file_rows import FileRows
 from inferno.kernels.quant import QuantizedMatrix
 from inferno.kernels.repack import IN_MEMORY, TileStore
 from inferno.kv.snapshot import model_fingerprint
@@ -46,7 +47,7 @@ from inferno.model.validate import check_config, expected_tensors
 from inferno.text.tokenizer import GGUFTokenizer
 
 MAGIC = b"INFERNO-PREPARED"
-VERSION = 7  # bumped whenever what an entry holds, or the tile layout of quant.py, changes
+VERSION = 8  # bumped whenever what an entry holds, or the tile layout of quant.py, changes
 ALIGN = 64  # bytes: every array starts on a cache line
 HEADER_PLACE = len(MAGIC) + 16  # the header's offset and length (little-endian uint64s) follow MAGIC
 SAMPLE_BYTES = 1 << 20  # of the model file's start and end, hashed into its identity
@@ -325,9 +326,12 @@ class _EntryWriter(TileStore):
         if self._failed:
             self.abandon()
             return False
-        arrays, matrices = {}, {}
+        arrays, matrices, in_file = {}, {}, {}
         for name, item in built.items():
-            if isinstance(item, QuantizedMatrix):
+            if isinstance(item, FileRows):  # later starts read it from the model file too (load maps one)
+                in_file[name] = {"qtype": int(item.qtype), "rows": item.rows, "cols": item.cols,
+                                 "offset": item.offset}
+            elif isinstance(item, QuantizedMatrix):
                 arrays[name] = item.tiles
                 matrices[name] = {"names": item.part_names, "qtype": int(item.qtype), "cols": item.cols,
                                   "parts": item.parts}
@@ -341,7 +345,7 @@ class _EntryWriter(TileStore):
                      for name, a in arrays.items()}
             header = json.dumps({"identity": ident, "config": asdict(prepared.model.config),
                                  "fingerprint": prepared.fingerprint, "matrices": matrices,
-                                 "arrays": specs}).encode()
+                                 "in_file": in_file, "arrays": specs}).encode()
             at = _aligned(self._end)
             self._write(header, at)
             self._write(MAGIC + np.array([at, len(header)], "<u8").tobytes(), 0)
@@ -413,7 +417,8 @@ def _read(entry: Path, ident: dict, model_path: str | os.PathLike, tokenizer: GG
     config = ModelConfig(**fields | {key: tuple(fields[key]) for key in per_layer})
     check_config(config)
     t1 = perf_counter()
-    weights = _CachedWeights(config, header["matrices"], set(header["arrays"]), array)
+    weights = _CachedWeights(config, header["matrices"], set(header["arrays"]), array, header["in_file"],
+                             str(model_path))
     model = Transformer.from_weights(config, weights)
     _map_now(mapped, [m.tiles for m in (*model.layer_matrices(), model.output)])
     t2 = perf_counter()
@@ -455,12 +460,11 @@ class _CachedWeights:
     """The weights of an entry, each checked against the shape the config gives its name: a wrong
     entry raises (and is rebuilt) rather than handing a kernel arrays it would index out of bounds."""
 
-    def __init__(
-        self, config: ModelConfig, matrices: dict, arrays: set[str], array: Callable[[str], np.ndarray]
-    ):
-        self._matrices, self._array = matrices, array
+    def __init__(self, config: ModelConfig, matrices: dict, arrays: set[str],
+                 array: Callable[[str], np.ndarray], in_file: dict, model_path: str):
+        self._matrices, self._array, self._in_file, self._model_path = matrices, array, in_file, model_path
         self._stack_of = {part: key for key, spec in matrices.items() for part in spec["names"]}
-        self._present = set(self._stack_of) | arrays
+        self._present = set(self._stack_of) | arrays | set(in_file)
         expected = expected_tensors(config, self._present)
         self._shapes = {name: shape(config) for name, shape in expected.items()}
         self._hidden = config.hidden_size
@@ -486,3 +490,10 @@ class _CachedWeights:
             matrices.append(QuantizedMatrix.from_tiles(spec["names"], QType(spec["qtype"]), int(spec["cols"]),
                                                        self._array(key), parts))
         return matrices
+
+    def rows(self, name: str) -> FileRows:
+        spec = self._in_file[name]
+        rows, cols = int(spec["rows"]), int(spec["cols"])
+        if self._shapes[name] != (rows, cols):
+            raise ValueError(f"{name}: not a weight of {rows} x {cols} here")
+        return FileRows.mapped(self._model_path, name, QType(spec["qtype"]), rows, cols, int(spec["offset"]))

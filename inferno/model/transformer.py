@@ -23,6 +23,7 @@ from gguf import GGUFReader
 from inferno.errors import InfernoError
 from inferno.file.config import ModelConfig
 from inferno.kernels import ops
+from inferno.kernels.file_rows import FileRows
 from inferno.kernels.quant import QuantizedMatrix, tensor_to_float32, uses_blas
 from inferno.kernels.quant_batch import batch_matmul
 from inferno.kernels.repack import IN_MEMORY, TileStore
@@ -83,6 +84,8 @@ class Weights(Protocol):
 
     def stacked(self, names: list[str]) -> list[QuantizedMatrix]: ...
 
+    def rows(self, name: str) -> FileRows: ...
+
 
 class GGUFWeights:
     """Weights read from the file: norms and biases as float32, matrices repacked into tiles. Keeps
@@ -92,7 +95,7 @@ class GGUFWeights:
         self._tensors = {t.name: t for t in reader.tensors}
         self._store = store
         self._architecture = config.architecture
-        self.built: dict[str, np.ndarray | QuantizedMatrix] = {}
+        self.built: dict[str, np.ndarray | QuantizedMatrix | FileRows] = {}
 
     def has(self, name: str) -> bool:
         return name in self._tensors
@@ -110,6 +113,10 @@ class GGUFWeights:
         matrices = stack_tensors([self._tensor(name) for name in names], self._store)
         self.built |= {m.name: m for m in matrices}
         return matrices
+
+    def rows(self, name: str) -> FileRows:
+        self.built[name] = FileRows.from_tensor(self._tensor(name))
+        return self.built[name]
 
 
 @dataclass
@@ -146,7 +153,7 @@ class Transformer:
     def __init__(
         self,
         config: ModelConfig,
-        embedding: QuantizedMatrix,
+        embedding: QuantizedMatrix | FileRows,  # FileRows: untied, only looked up
         layers: list[Layer],
         output_norm: np.ndarray,
         output: QuantizedMatrix,
@@ -203,8 +210,10 @@ class Transformer:
             )
             for i in range(config.n_layers)
         ]
-        embedding = matrix("token_embd.weight")
-        output = embedding if config.tied_embeddings else matrix("output.weight")
+        if config.tied_embeddings:  # the output matrix: tiles
+            embedding = output = matrix("token_embd.weight")
+        else:  # only looked up: read in place
+            embedding, output = weights.rows("token_embd.weight"), matrix("output.weight")
         model = cls(config, embedding, layers, weights.vector("output_norm.weight"), output)
         check_finite_weights(model)
         return model
