@@ -2,7 +2,7 @@
 
 A model whose output matrix is its own keeps the embedding only for lookups: a few rows a step, a
 prompt's rows once. Repacking it into tiles, as the matrices are, would copy its every byte into the
-prepared-model cache (a ninth of a 1.5B Q4_K_M file's) for rows that are read a handful at a time. So
+prepared-model cache (an eighth of a 1.5B Q4_K_M file's) for rows that are read a handful at a time. So
 its blocks stay in the file, memory-mapped, and a lookup lays out only the rows asked for as tiles and
 dequantizes them with the matrices' own kernels: the same bits as `QuantizedMatrix.rows_at`, which
 are gguf-py's.
