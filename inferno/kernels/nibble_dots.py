@@ -49,7 +49,15 @@ from numba.extending import intrinsic
 
 from inferno.kernels.ggml import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from inferno.kernels.jit import compiled_for, njit  # first: the target is set before any kernel is defined
-from inferno.kernels.llvm_ir import constant, declared, halves_to_floats, pointer, prefetch_bytes, splat
+from inferno.kernels.llvm_ir import (
+    constant,
+    declared,
+    halves_to_floats,
+    pointer,
+    prefetch_bytes,
+    prefetch_line,
+    splat,
+)
 
 LANES = 16  # rows summed per call: the int32 lanes of one 512-bit register
 PARTS = 4  # int8 parts per activation: float32's precision, the default
@@ -255,6 +263,7 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, qtype, n_parts, span
             return cgutils.unpack_tuple(builder, struct.shape)
 
         _, type_size, lanes = shape(w_t, w_v)
+        w_data = context.make_array(w_t)(context, builder, w_v).data
         rows, _, cols = shape(parts_t, parts_v)
         blocks = shape(scale_t, scale_v)[1]
         acc_width = shape(acc_t, acc_v)[1]
@@ -273,13 +282,26 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, qtype, n_parts, span
             at = builder.add(first, builder.add(builder.mul(lanes, row), offset))
             return builder.load(pointer(context, builder, w_t, w_v, at, vector), align=1)
 
+        def next_group(first: ir.Value, byte_row: int | ir.Value, per_lane: int = 1) -> None:
+            """A single row's next call reads lanes g+16..g+31 of the same byte rows: ask for their line
+            of `byte_row` (per_lane bytes a lane) into L1 now. The span prefetch brings each span into
+            L2 only, and a call's loads, rows a tile's width apart, then each waited on L2."""
+            if span_ > 1:
+                row = byte_row if isinstance(byte_row, ir.Value) else const(byte_row)
+                ahead = builder.mul(builder.add(g_v, const(LANES)), const(per_lane))
+                at = builder.add(first, builder.add(builder.mul(lanes, row), ahead))
+                prefetch_line(builder, builder.gep(w_data, [at]), locality=3)
+
         def half_lanes(first: ir.Value, byte_row: int) -> ir.Value:
             """The f16 whose low byte is in row byte_row (high byte in the next), for lanes g..g+15."""
+            next_group(first, byte_row)
+            next_group(first, byte_row + 1)
             return halves_to_floats(builder, tile_bytes(first, byte_row, g_v, bytes16),
                                     tile_bytes(first, byte_row + 1, g_v, bytes16))
 
         def byte_lanes(first: ir.Value, byte_row: ir.Value, signed: bool = False) -> ir.Value:
             """The bytes of row byte_row for lanes g..g+15, as floats."""
+            next_group(first, byte_row)
             convert = builder.sitofp if signed else builder.uitofp
             return convert(tile_bytes(first, byte_row, g_v, bytes16), floats)
 
@@ -294,6 +316,7 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, qtype, n_parts, span
             <16 x i32>, with the first of the 4 values they hold), d, m and Q6_K's two half scales."""
 
             def words(byte_row: ir.Value) -> ir.Value:  # a quad or plane's words, lanes g..g+15
+                next_group(first, byte_row, 4)
                 return tile_bytes(first, byte_row, builder.mul(g_v, const(4)), bytes64)
 
             def row_of(first_row: int, offset: int = 0) -> ir.Value:  # rows advance by the stride
