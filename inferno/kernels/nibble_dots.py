@@ -450,17 +450,16 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, qtype, n_parts, span
             # The next span's bytes are asked for piece by piece, one piece before each block's dots:
             # the CPU's own prefetching streams slowly here, and a burst of a whole span's lines
             # stalls on the misses in flight. Into L2, not L1: decode ran faster on every model
-            # (all three measured in docs/LOG.md).
+            # (all three measured in docs/LOG.md); the next call's own lines go to L1 (next_group).
             span_bytes = builder.mul(builder.mul(type_size, lanes), const(span_ // per))
             piece = builder.udiv(span_bytes, builder.mul(builder.udiv(lanes, const(LANES)), const(span_)))
-            data = context.make_array(w_t)(context, builder, w_v).data
             span_first = builder.mul(builder.udiv(b_v, const(per)), builder.mul(type_size, lanes))
             first_piece = builder.mul(builder.udiv(g_v, const(LANES)), const(span_))
 
             def prefetch(k: int) -> None:
                 at = builder.add(builder.add(span_first, span_bytes),
                                  builder.mul(builder.add(first_piece, const(k)), piece))
-                prefetch_bytes(builder, builder.gep(data, [at]), piece, locality=2)
+                prefetch_bytes(builder, builder.gep(w_data, [at]), piece, locality=2)
 
             def contribution(k: int):
                 """Block b + k of the span, for row i (a K-quant's sub-block k of the shared block)."""
