@@ -2,7 +2,8 @@
 (float32-exact and int8 activations) and 2048, prefill of 512 tokens (both), a first and a later run's whole
 process time and peak RSS; and the exact prefill as a fraction of the float32 peak, a plain sgemm of
 its weight products (inferno.bench.sgemm_peak). Every measurement is its own process; rounds alternate
-the two engines; the table gives medians.
+the two engines; the table gives medians, and beside them the lowest and highest of the rounds' own
+ratios (each round's pair ran minutes apart at most: on a shared host their spread is the noise).
 
     python -m inferno.bench.versus_llama MODEL.gguf --llama-bench PATH [--rounds 3] [--threads 2]
 
@@ -106,10 +107,11 @@ def main() -> None:
         add("later run, whole process s", later["wall"], theirs["wall"])
         add("peak RSS MiB (later run)", later["rss"] / 2**20, theirs["rss"] / 2**20)
     print(f"{Path(args.model).name}, {t} threads, medians of {args.rounds} rounds")
-    print(f"{'':42} {'inferno':>9} {'llama.cpp':>10} {'ratio':>7}")
+    print(f"{'':42} {'inferno':>9} {'llama.cpp':>10} {'ratio':>7} {'rounds':>11}")
     for name, pairs in rows.items():
         ours, theirs = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
-        print(f"{name:42} {ours:9.1f} {theirs:10.1f} {ours / theirs:6.2f}x")
+        each = [o / t for o, t in pairs]
+        print(f"{name:42} {ours:9.1f} {theirs:10.1f} {ours / theirs:6.2f}x {min(each):5.2f}-{max(each):.2f}x")
     fraction = statistics.median(exact / sgemm["tok_s"] for exact, sgemm in peak)
     gflop_s = statistics.median(sgemm["gflop_s"] for _, sgemm in peak)
     print(f"exact prefill of 512: {fraction:.0%} of the float32 peak (a plain sgemm of its weight products: "
