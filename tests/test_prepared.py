@@ -358,6 +358,35 @@ def test_the_blas_path_is_warmed_only_by_a_request_that_takes_it(cache_dir):
     assert engine.startup.jit_ms == warmed
 
 
+def test_a_short_request_loads_no_kernel_inside_its_forwards(cache_dir, monkeypatch):
+    """The warm-up runs what a short request's forwards run (a prompt of several tokens, then decode
+    steps), with the activations the request asks for: no kernel is loaded (or compiled) inside a timed
+    forward, where it would count in the time to first token or in a step (Q8_0 weights take a float
+    kernel with f32 activations, integer dots with int8)."""
+    from numba.core.dispatcher import Dispatcher
+
+    from inferno.runtime.engine import Engine
+
+    engine = Engine.load(FIXTURES / "tiny_qwen3.gguf")
+    loaded: list[str] = []
+    original = Dispatcher._compile_for_args
+
+    def counting(self, *args, **kws):
+        loaded.append(self.py_func.__qualname__)
+        return original(self, *args, **kws)
+
+    monkeypatch.setattr(Dispatcher, "_compile_for_args", counting)
+    for activations in ("f32", "int8"):
+        engine.model.set_activations(activations)
+        warmed = engine.startup.jit_ms
+        cache = engine.make_cache("prealloc", 6, 3)  # the request's kernels are loaded here
+        assert (engine.startup.jit_ms > warmed) == (activations == "int8")  # the load's warm-up ran f32
+        loaded.clear()
+        engine.model.prefill(np.arange(6), cache)
+        for _ in range(3):
+            engine.model.decode(1, cache.length, cache)
+        assert loaded == [], (activations, loaded)
+
 def test_a_hit_maps_the_weights_before_the_first_forward(cache_dir, model_path, monkeypatch):
     """The pages of the weights every forward reads are mapped at load, in one call per array, so the
     first forward does not fault them in one at a time (without it, it faults several times more)."""

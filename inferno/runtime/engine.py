@@ -51,7 +51,8 @@ class Engine:
         self.fingerprint = fingerprint  # which model made a cache: snapshots are checked against it
         self.path = path
         self._matmul_ready = False  # the BLAS path's kernels are loaded (see ready_for)
-        self._caches_ready = {(WARM_LAYOUT, DEFAULT_DTYPE)}  # (layout, dtype) whose kernels are loaded
+        # (layout, element type, activations) whose kernels are loaded: `load`'s warm-up ran the first
+        self._caches_ready = {(WARM_LAYOUT, DEFAULT_DTYPE, model.activations)}
 
     @property
     def config(self) -> ModelConfig:
@@ -96,8 +97,7 @@ class Engine:
         arguments.optional_count("max_context", max_context)
         arguments.choice("dtype", dtype, list(DTYPES))
         cache = self._cache_for(layout, prompt_tokens, new_tokens, max_context, dtype, **options)
-        if cache is not None:
-            self._ready_cache(cache, layout, dtype)
+        self._ready_cache(cache, layout, dtype)
         # the most rows a forward of the request can take: the prompt, or with no cache the whole sequence
         self.ready_for(prompt_tokens + (new_tokens if layout is None else 0))
         return cache
@@ -161,15 +161,22 @@ class Engine:
             warm_up_matmul(self.model)
         self._matmul_ready = True
 
-    def _ready_cache(self, cache: KVCache, layout: str, dtype: str) -> None:
-        """Before the first timed forward into a layout and element type this engine has not used yet,
-        `warm_up` runs through the cache (left empty): its attention kernels are loaded (or compiled)
-        now, counted in `startup.jit_ms`, not in the request's first forwards."""
-        if (layout, dtype) in self._caches_ready or cache.capacity < 2:
+    def _ready_cache(self, cache: KVCache | None, layout: str | None, dtype: str) -> None:
+        """Before the first timed forward into a layout and element type, with the model's activations,
+        that this engine has not run yet, `warm_up` runs them: the kernels are loaded (or compiled) now,
+        counted in `startup.jit_ms`, not in the request's first forwards. Through the request's cache
+        (left empty) for another layout or element type; for `load`'s own, or none, through the
+        warm-up's small model and cache (only the activations can be new there)."""
+        activations = self.model.activations
+        if cache is None or (layout, dtype) == (WARM_LAYOUT, DEFAULT_DTYPE):
+            key, through = (WARM_LAYOUT, DEFAULT_DTYPE, activations), None
+        else:
+            key, through = (layout, dtype, activations), cache
+        if key in self._caches_ready or (through is not None and through.capacity < WARM_TOKENS):
             return
         with self._counted_as_kernels():
-            warm_up(self.model, cache)
-        self._caches_ready.add((layout, dtype))
+            warm_up(self.model, through)
+        self._caches_ready.add(key)
 
     @contextmanager
     def _counted_as_kernels(self) -> Iterator[None]:
@@ -227,7 +234,7 @@ class Engine:
         tokens = pool_tokens or max_batch * context
         blocks = pool_blocks or BlockPool.sequence_blocks(geometry, tokens, block_size)
         pool = BlockPool(geometry, blocks, block_size, kv_dtype)
-        self._ready_cache(PagedKVCache(geometry, 2, pool=pool, dtype=kv_dtype), "paged", kv_dtype)
+        self._ready_cache(PagedKVCache(geometry, WARM_TOKENS, pool=pool, dtype=kv_dtype), "paged", kv_dtype)
 
         def sequence(prompt_tokens: int, new_tokens: int) -> KVCache:
             needed = prompt_tokens + new_tokens
@@ -361,20 +368,21 @@ def reuse_freed_pages() -> None:
 
 
 WARM_LAYOUT = "prealloc"  # the cache layout warm_up runs: the default run's; others are warmed on first use
+WARM_TOKENS = 3  # a prompt of two (a short prompt's kernels: batch_matmul's) and a decode step (matvec's)
 
 
 def warm_up(model: Transformer, cache: KVCache | None = None) -> None:
     """Run every kernel a request needs once, so the first timed forward measures work, not compiling
-    or loading: a one-token prefill and one decode step, into `cache` (left empty again), or through one
-    layer of each kind (`one_layer_of_each_kind`) into a WARM_LAYOUT cache of two tokens. (The BLAS
+    or loading: a two-token prefill and one decode step, into `cache` (left empty again), or through
+    one layer of each kind (`one_layer_of_each_kind`) into a WARM_LAYOUT cache of WARM_TOKENS. (The BLAS
     path's kernels, for long prompts, are warmed when one first comes: `warm_up_matmul`.)"""
-    tokens = np.arange(2) % model.config.vocab_size  # any ids the embedding has
+    tokens = np.arange(WARM_TOKENS) % model.config.vocab_size  # any ids the embedding has
     if cache is None:
         model = model.one_layer_of_each_kind()
         cache = make_cache(WARM_LAYOUT, model.config.kv_geometry, len(tokens))
     with refusing_non_finite(0):
-        check_logits(model.prefill(tokens[:1], cache), 0)
-        check_logits(model.decode(int(tokens[1]), 1, cache), 1)
+        check_logits(model.prefill(tokens[:-1], cache), len(tokens) - 2)
+        check_logits(model.decode(int(tokens[-1]), len(tokens) - 1, cache), len(tokens) - 1)
     cache.reset()
 
 
