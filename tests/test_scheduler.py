@@ -80,6 +80,19 @@ def test_a_short_pool_preempts_and_recomputes_without_changing_tokens(engine):
     assert scheduler.preemptions > 0 and scheduler.pool.used_blocks == 0
 
 
+def test_a_pool_too_small_for_the_warm_up_still_runs_what_fits():
+    """A pool of one 2-token block cannot hold the warm-up's tokens: the scheduler starts without it
+    (the kernels then load in the first request's forwards) and runs a request that fits."""
+    from conftest import FIXTURES
+
+    from inferno.runtime.engine import WARM_TOKENS, Engine
+
+    engine = Engine.load(FIXTURES / "tiny_qwen3.gguf")
+    scheduler = engine.scheduler("paged", max_batch=1, pool_blocks=1, block_size=WARM_TOKENS - 1)
+    want = engine.run([1], 1, kv="prealloc", ignore_eos=True).token_ids
+    assert run_all(scheduler, [Request([1], 1, ignore_eos=True)]) == [want]
+
+
 def test_abort_ends_a_request_within_a_step_and_frees_its_blocks(engine):
     scheduler = engine.scheduler("paged", max_batch=2)
     kept, dropped = (scheduler.add(r) for r in requests_of(engine, PROMPTS[:2], new=20))

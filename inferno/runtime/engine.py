@@ -172,8 +172,8 @@ class Engine:
             key, through = (WARM_LAYOUT, DEFAULT_DTYPE, activations), None
         else:
             key, through = (layout, dtype, activations), cache
-        if key in self._caches_ready or (through is not None and through.capacity < WARM_TOKENS):
-            return
+        if key in self._caches_ready or (through is not None and not _holds_warm_up(through)):
+            return  # (too small a cache: its kernels load in the request's first forwards)
         with self._counted_as_kernels():
             warm_up(self.model, through)
         self._caches_ready.add(key)
@@ -369,6 +369,13 @@ def reuse_freed_pages() -> None:
 
 WARM_LAYOUT = "prealloc"  # the cache layout warm_up runs: the default run's; others are warmed on first use
 WARM_TOKENS = 3  # a prompt of two (a short prompt's kernels: batch_matmul's) and a decode step (matvec's)
+
+
+def _holds_warm_up(cache: KVCache) -> bool:
+    """Whether `warm_up` fits in `cache`: WARM_TOKENS positions, and for a paged one the pool's blocks."""
+    if cache.capacity < WARM_TOKENS:
+        return False
+    return not isinstance(cache, PagedKVCache) or cache.blocks_needed(WARM_TOKENS) <= cache.pool.free_blocks
 
 
 def warm_up(model: Transformer, cache: KVCache | None = None) -> None:
