@@ -387,6 +387,7 @@ def test_a_short_request_loads_no_kernel_inside_its_forwards(cache_dir, monkeypa
             engine.model.decode(1, cache.length, cache)
         assert loaded == [], (activations, loaded)
 
+
 def test_a_hit_maps_the_weights_before_the_first_forward(cache_dir, model_path, monkeypatch):
     """The pages of the weights every forward reads are mapped at load, in one call per array, so the
     first forward does not fault them in one at a time (without it, it faults several times more)."""

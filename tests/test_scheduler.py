@@ -1,10 +1,11 @@
 """The scheduler: every cache layout and element type through one engine, requests run together,
-chunked prefill, preemption, aborts, prefix sharing (both real models)."""
+chunked prefill, preemption, aborts, prefix sharing (both real models; a tiny one for a tiny pool)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import FIXTURES
 
 from inferno.kv import LAYOUTS
 from inferno.kv.paged import PagedKVCache
@@ -83,8 +84,6 @@ def test_a_short_pool_preempts_and_recomputes_without_changing_tokens(engine):
 def test_a_pool_too_small_for_the_warm_up_still_runs_what_fits():
     """A pool of one 2-token block cannot hold the warm-up's tokens: the scheduler starts without it
     (the kernels then load in the first request's forwards) and runs a request that fits."""
-    from conftest import FIXTURES
-
     from inferno.runtime.engine import WARM_TOKENS, Engine
 
     engine = Engine.load(FIXTURES / "tiny_qwen3.gguf")
