@@ -275,11 +275,15 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, qtype, n_parts, span
 
         packing = PACKED.get(qtype_, Packing(1, 2, 32, 0, 0))
 
+        def byte_at(first: ir.Value, byte_row: int | ir.Value, offset: ir.Value) -> ir.Value:
+            """The tile's byte of byte row `byte_row` of the stored block at byte `first`, `offset` in."""
+            row = byte_row if isinstance(byte_row, ir.Value) else const(byte_row)
+            return builder.add(first, builder.add(builder.mul(lanes, row), offset))
+
         def tile_bytes(first: ir.Value, byte_row: int | ir.Value, offset: ir.Value, vector: ir.Type
                        ) -> ir.Value:
-            """The tile's bytes from byte row `byte_row` of the stored block at byte `first`, `offset` in."""
-            row = byte_row if isinstance(byte_row, ir.Value) else const(byte_row)
-            at = builder.add(first, builder.add(builder.mul(lanes, row), offset))
+            """The tile's bytes from byte_at(first, byte_row, offset) on, as `vector`."""
+            at = byte_at(first, byte_row, offset)
             return builder.load(pointer(context, builder, w_t, w_v, at, vector), align=1)
 
         def next_group(first: ir.Value, byte_row: int | ir.Value, per_lane: int = 1) -> None:
@@ -287,10 +291,8 @@ def quant_dots(typingctx, w, b, g, parts, scale, sums, acc, qtype, n_parts, span
             of `byte_row` (per_lane bytes a lane) into L1 now. The span prefetch brings each span into
             L2 only, and a call's loads, rows a tile's width apart, then each waited on L2."""
             if span_ > 1:
-                row = byte_row if isinstance(byte_row, ir.Value) else const(byte_row)
                 ahead = builder.mul(builder.add(g_v, const(LANES)), const(per_lane))
-                at = builder.add(first, builder.add(builder.mul(lanes, row), ahead))
-                prefetch_line(builder, builder.gep(w_data, [at]), locality=3)
+                prefetch_line(builder, builder.gep(w_data, [byte_at(first, byte_row, ahead)]), locality=3)
 
         def half_lanes(first: ir.Value, byte_row: int) -> ir.Value:
             """The f16 whose low byte is in row byte_row (high byte in the next), for lanes g..g+15."""
