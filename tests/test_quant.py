@@ -19,7 +19,7 @@ from inferno.kernels import nibble_dots, quant, sharing
 from inferno.kernels.jit import njit
 from inferno.kernels.quant import FUSED, SUPPORTED, QuantizedMatrix, tensor_to_float32
 from inferno.kernels.quant_batch import batch_matmul
-from inferno.kernels.repack import TILE_BYTES
+from inferno.kernels.repack import TILE_BYTES, repack
 
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 PACKED_TYPES = tuple(Q(t) for t in nibble_dots.PACKED)  # every type with integer dots
@@ -68,6 +68,23 @@ def assert_close(got: np.ndarray, w: np.ndarray, x: np.ndarray) -> None:
     scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
     assert got.dtype == np.float32 and got.shape == exact.shape
     assert np.all(np.abs(got - exact) <= 1e-5 * scale + 1e-30)
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 70, 16 * 256 - 10])
+def test_repack_writes_every_byte_of_its_tiles(qtype, rows):
+    """Tiles are built in memory nobody cleared: whatever it held, every byte is written, and the last
+    tile's padding is what rows of zero blocks give (Q4_K and Q6_K fill a chunk of lanes at a time, the
+    last one partly past the rows)."""
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.random.default_rng(rows).integers(0, 256, (rows, 2, type_size), np.uint8)
+    shape, _ = quant.tile_layout(qtype, [rows], 2 * block)
+    padded = np.zeros((shape[0] * shape[3], 2, type_size), np.uint8)
+    padded[:rows] = raw
+    want, got = np.zeros(shape, np.uint8), np.full(shape, 0xA5, np.uint8)
+    repack(padded, want, int(qtype))
+    repack(raw, got, int(qtype))
+    assert np.array_equal(got, want)
 
 
 # rows not a multiple of any tile height, so the last tile is padded (the packed types' tiles: 64 rows, and

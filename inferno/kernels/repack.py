@@ -3,7 +3,10 @@ row's blocks moved to a lane, and the packed types' values regrouped (inferno.ni
 `read_tiles` reads a tensor a window of the file at a time into a `TileStore`.
 
 One pass in a parallel kernel over a chunk of rows read from the file: numpy's reshapes and stacks took
-several temporary copies of every weight, most of the load time of a 1.5B model."""
+several temporary copies of every weight, most of the load time of a 1.5B model. Q4_K and Q6_K, most of a
+Q4_K_M file, go a chunk of rows at a time (`_by_words`): their blocks' words side by side first, then each
+byte row of the tile for all those rows in loops over lanes, which LLVM vectorizes; the other types a row
+at a time (`_by_lane`)."""
 
 from __future__ import annotations
 
@@ -20,20 +23,57 @@ from numba import prange
 from inferno.errors import InfernoError
 from inferno.kernels.ggml import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K
 from inferno.kernels.jit import njit
+from inferno.kernels.llvm_ir import prefetch_row, shift_right
 from inferno.kernels.nibble_dots import PACKED
 
 # Repacked blocks are this many bytes (the others as many as the file's): Q4_K's and Q5_K's 6-bit
 # scales and minimums take a byte each.
 TILE_BYTES = {Q4_K: 148, Q5_K: 180}
 LOAD_WINDOW_BYTES = 64 << 20  # file bytes mapped at a time while repacking
+CHUNK = 64  # rows `_by_words` turns into a tile's lanes at a time (its words fit in L1)
 _QS_Q4_0, _QS_Q4_1 = PACKED[Q4_0].quads, PACKED[Q4_1].quads
 _PLANES_Q5_0, _PLANES_Q5_1 = PACKED[Q5_0].planes, PACKED[Q5_1].planes
 
 
-@njit(cache=True, parallel=True)
-def repack(raw, tiles, qtype):
+def repack(raw: np.ndarray, tiles: np.ndarray, qtype: int) -> None:
     """raw uint8[rows, blocks, file bytes] -> tiles uint8[tile, block, tile bytes, lane]; lanes past
     the rows (the last tile's) are zeros."""
+    (_by_words if qtype in (Q4_K, Q6_K) else _by_lane)(raw, tiles, qtype)
+
+
+@njit(cache=True, parallel=True)
+def _by_words(raw, tiles, qtype):
+    """Q4_K, Q6_K: for each block of CHUNK rows, word i of every row's block at words[i, lane] (Q6_K's
+    last two bytes, d, in `ends`), then the tile's byte rows from those, all the chunk's lanes at once."""
+    ntiles, nblocks, _, lanes = tiles.shape
+    nwords, chunk = raw.shape[2] // 4, min(lanes, CHUNK)
+    tile_words = tiles.reshape(ntiles, nblocks, -1).view(np.uint32)
+    for t in prange(ntiles):
+        words, ends = np.empty((nwords, chunk), np.uint32), np.empty((2, chunk), np.uint8)
+        for b in range(nblocks):
+            for g in range(0, lanes, chunk):
+                first = t * lanes + g
+                n = max(0, min(chunk, raw.shape[0] - first))
+                if n < chunk:
+                    words[:] = 0
+                    ends[:] = 0
+                for lane in range(n):
+                    prefetch_row(raw[first + lane], b + 2)  # the CPU misses these CHUNK streams
+                    src = raw[first + lane, b]
+                    w = src[: 4 * nwords].view(np.uint32)
+                    for i in range(nwords):
+                        words[i, lane] = w[i]
+                    if qtype == Q6_K:
+                        ends[0, lane], ends[1, lane] = src[208], src[209]
+                if qtype == Q4_K:
+                    _q4_k_rows(words, tiles[t, b], tile_words[t, b], g)
+                else:
+                    _q6_k_rows(words, ends, tiles[t, b], tile_words[t, b], g)
+
+
+@njit(cache=True, parallel=True)
+def _by_lane(raw, tiles, qtype):
+    """The other types, a row's block at a time into its lane."""
     ntiles, nblocks, _, lanes = tiles.shape
     words = tiles.reshape(ntiles, nblocks, -1).view(np.uint32)  # each block's tiles as 4-byte words
     for t in prange(ntiles):
@@ -48,10 +88,8 @@ def repack(raw, tiles, qtype):
                     _q4(src, dst, lane, at, _QS_Q4_1 if qtype == Q4_1 else _QS_Q4_0)
                 elif qtype in (Q5_0, Q5_1):
                     _q5(src, dst, lane, at, _PLANES_Q5_1 if qtype == Q5_1 else _PLANES_Q5_0)
-                elif qtype in (Q4_K, Q5_K):
-                    _q4_k(src, dst, words[t, b], lane, at, qtype == Q5_K)
-                elif qtype == Q6_K:
-                    _q6_k(src, dst, words[t, b], lane)
+                elif qtype == Q5_K:
+                    _q5_k(src, dst, words[t, b], lane, at)
                 else:
                     for p in range(src.size):
                         dst[p, lane] = src[p]
@@ -66,15 +104,20 @@ def _put(dst, row, k, i, at, value):
 
 
 @njit(cache=True, inline="always")
-def _nibble_quad_pair(words, lanes, lane, even_row, odd_row, src_words, first):
-    """Two sub-blocks of 32 values a word at a time: the values of one are the low nibbles of the 32
-    bytes in src_words[first:first + 8], those of the other the high nibbles; each is written at its byte
-    row as nibble quads (byte t holds values t and t + 16). words: the block's tiles [tile bytes, lanes]
-    as uint32 [-1]."""
-    for k in range(4):
-        low, high = src_words[first + k], src_words[first + 4 + k]
-        words[even_row * lanes // 4 + k * lanes + lane] = (low & 0x0F0F0F0F) | ((high & 0x0F0F0F0F) << 4)
-        words[odd_row * lanes // 4 + k * lanes + lane] = ((low >> 4) & 0x0F0F0F0F) | (high & 0xF0F0F0F0)
+def _quads(low, high):
+    """Two sub-blocks of 32 values, four of each a word: the values of one are the low nibbles of the
+    words `low` and `high` (its bytes 0-15 and 16-31), those of the other their high nibbles. Each as
+    nibble quads (byte t holds values t and t + 16): (the first's word, the second's)."""
+    return (np.uint32((low & 0x0F0F0F0F) | ((high & 0x0F0F0F0F) << 4)),
+            np.uint32((shift_right(low, np.uint32(4)) & 0x0F0F0F0F) | (high & 0xF0F0F0F0)))
+
+
+@njit(cache=True, inline="always")
+def _k_scales(s0, s4, s8):
+    """Q4_K's and Q5_K's scale and minimum bytes j, 4 + j, 8 + j, 12 + j from its packed 6-bit ones j,
+    4 + j and 8 + j (bytes 4 + j.. of the block): scale j, minimum j, scale 4 + j, minimum 4 + j."""
+    return (np.uint8(s0 & 63), np.uint8(s4 & 63), np.uint8((s8 & 15) | (shift_right(s0, np.uint32(6)) << 4)),
+            np.uint8(shift_right(s8, np.uint32(4)) | (shift_right(s4, np.uint32(6)) << 4)))
 
 
 @njit(cache=True)
@@ -111,47 +154,89 @@ def _q5(src, dst, lane, at, planes):
 
 
 @njit(cache=True)
-def _q4_k(src, dst, words, lane, at, fifth):
+def _q5_k(src, dst, words, lane, at):
     """d and dmin, the eight 6-bit scales (bytes 4-11) and minimums (12-19) a byte each, then each
-    sub-block of 32 values as nibble quads (Q4_K: rows 20 + 16j), and with `fifth` (Q5_K, its nibbles
-    after the 32 bytes of qh) as nibble quads and a plane word of its 5th bits (rows 20 + 20j, 36 + 20j)."""
+    sub-block of 32 values (its nibbles after the 32 bytes of qh) as nibble quads and a plane word of
+    its 5th bits (rows 20 + 20j, 36 + 20j). words: dst as uint32[-1]."""
     for p in range(4):
         dst[p, lane] = src[p]
-    s = src[4:16]
     for j in range(4):
-        dst[4 + j, lane] = s[j] & 63
-        dst[12 + j, lane] = s[4 + j] & 63
-        dst[8 + j, lane] = (s[8 + j] & 15) | ((s[j] >> 6) << 4)
-        dst[16 + j, lane] = (s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4)
+        dst[4 + j, lane], dst[12 + j, lane], dst[8 + j, lane], dst[16 + j, lane] = _k_scales(
+            np.uint32(src[4 + j]), np.uint32(src[8 + j]), np.uint32(src[12 + j]))
     lanes, src_words = dst.shape[1], src.view(np.uint32)
     for c in range(4):  # sub-blocks 2c and 2c + 1 are the low and high nibbles of bytes 32c.. of qs
-        if fifth:  # bit j of qh[v] (bytes 16-47) is the 5th bit of value v of sub-block j
-            _nibble_quad_pair(words, lanes, lane, 20 + 40 * c, 40 + 40 * c, src_words, 12 + 8 * c)
-            _fifth_bits(dst, 36 + 40 * c, at, src, 16, 1, 2 * c)
-            _fifth_bits(dst, 56 + 40 * c, at, src, 16, 1, 2 * c + 1)
-        else:
-            _nibble_quad_pair(words, lanes, lane, 20 + 32 * c, 36 + 32 * c, src_words, 4 + 8 * c)
+        for k in range(4):
+            even, odd = _quads(src_words[12 + 8 * c + k], src_words[16 + 8 * c + k])
+            words[(20 + 40 * c) * lanes // 4 + k * lanes + lane] = even
+            words[(40 + 40 * c) * lanes // 4 + k * lanes + lane] = odd
+        _fifth_bits(dst, 36 + 40 * c, at, src, 16, 1, 2 * c)  # bit j of qh[v] (bytes 16-47): value v of
+        _fifth_bits(dst, 56 + 40 * c, at, src, 16, 1, 2 * c + 1)  # sub-block j's 5th bit
+
+
+@njit(cache=True, inline="always")
+def _quad_rows(words, dst_words, lanes, g, even_row, odd_row, first):
+    """For lanes g.. (as many as `words` holds): _quads of words[first + k] and words[first + 4 + k],
+    word k of byte rows even_row and odd_row of the tile (dst_words: its bytes as uint32[-1])."""
+    n = words.shape[1]
+    for k in range(4):
+        low, high = words[first + k], words[first + 4 + k]
+        at_even, at_odd = even_row * lanes // 4 + k * lanes + g, odd_row * lanes // 4 + k * lanes + g
+        even, odd = dst_words[at_even : at_even + n], dst_words[at_odd : at_odd + n]
+        for lane in range(n):
+            even[lane], odd[lane] = _quads(low[lane], high[lane])
 
 
 @njit(cache=True)
-def _q6_k(src, dst, words, lane):
-    """d, the 16 int8 scales, then each sub-block of 32 values (j = 4h + s: values 128h + 32s..) as
-    nibble quads and two plane words of its high 2 bits (rows 18 + 24j, 34 + 24j)."""
-    dst[0, lane], dst[1, lane] = src[208], src[209]
-    for p in range(16):
-        dst[2 + p, lane] = src[192 + p]
-    lanes, src_words = dst.shape[1], src[:208].view(np.uint32)
+def _q4_k_rows(words, dst, dst_words, g):
+    """Q4_K for lanes g.. of a tile's block dst [tile bytes, lanes] (laid out as _q5_k's, without the
+    5th bits: sub-blocks at rows 20 + 16j) from words[i, lane] (word i of each row's block)."""
+    n, lanes = words.shape[1], dst.shape[1]
+    for p in range(4):  # d and dmin
+        row, shift = dst[p, g : g + n], np.uint32(8 * p)
+        for lane in range(n):
+            row[lane] = np.uint8(shift_right(words[0, lane], shift) & 255)
+    for j in range(4):
+        shift = np.uint32(8 * j)
+        scale, low_min, high_scale, high_min = (dst[4 + j, g : g + n], dst[12 + j, g : g + n],
+                                                dst[8 + j, g : g + n], dst[16 + j, g : g + n])
+        for lane in range(n):
+            scale[lane], low_min[lane], high_scale[lane], high_min[lane] = _k_scales(
+                np.uint32(shift_right(words[1, lane], shift) & 255),
+                np.uint32(shift_right(words[2, lane], shift) & 255),
+                np.uint32(shift_right(words[3, lane], shift) & 255))
+    for c in range(4):  # sub-blocks 2c and 2c + 1: the nibbles of words 4 + 8c..
+        _quad_rows(words, dst_words, lanes, g, 20 + 32 * c, 36 + 32 * c, 4 + 8 * c)
+
+
+@njit(cache=True)
+def _q6_k_rows(words, ends, dst, dst_words, g):
+    """Q6_K for lanes g.. of a tile's block dst [tile bytes, lanes]: d (ends), the 16 int8 scales, then
+    each sub-block of 32 values (j = 4h + s: values 128h + 32s..) as nibble quads and two plane words of
+    its high 2 bits (rows 18 + 24j, 34 + 24j), from words[i, lane] (word i of each row's block)."""
+    n, lanes = words.shape[1], dst.shape[1]
+    for p in range(2):
+        row = dst[p, g : g + n]
+        for lane in range(n):
+            row[lane] = ends[p, lane]
+    for p in range(16):  # the scales: bytes 192.. (words 48..)
+        row, shift = dst[2 + p, g : g + n], np.uint32(8 * (p % 4))
+        for lane in range(n):
+            row[lane] = np.uint8(shift_right(words[48 + p // 4, lane], shift) & 255)
     for h in range(2):  # low 4 bits: sub-blocks 4h + r and 4h + r + 2 are the nibbles of ql bytes 64h + 32r..
         for r in range(2):
             j = 4 * h + r
-            _nibble_quad_pair(words, lanes, lane, 18 + 24 * j, 18 + 24 * (j + 2), src_words, 16 * h + 8 * r)
-    for j in range(8):  # high 2 bits: bits 2s of qh bytes 128 + 32h + v, byte i of word k of a plane
-        h, s = j // 4, j % 4  # holding those of its bytes 4k + i, in bits 2k (all four bytes at once)
+            _quad_rows(words, dst_words, lanes, g, 18 + 24 * j, 18 + 24 * (j + 2), 16 * h + 8 * r)
+    for j in range(8):  # high 2 bits: bits 2s of qh bytes 128 + 32h + v; byte i of word p of a plane
+        h, shift = j // 4, np.uint32(2 * (j % 4))  # holds those of its bytes 4(4p + k) + i, in bits 2k
         for p in range(2):
-            plane = 0
-            for k in range(4):
-                plane |= ((src_words[32 + 8 * h + 4 * p + k] >> (2 * s)) & 0x03030303) << (2 * k)
-            words[(34 + 24 * j) * lanes // 4 + p * lanes + lane] = plane
+            at, first = (34 + 24 * j) * lanes // 4 + p * lanes + g, 32 + 8 * h + 4 * p
+            plane = dst_words[at : at + n]
+            for lane in range(n):
+                plane[lane] = np.uint32(
+                    (shift_right(words[first, lane], shift) & 0x03030303)
+                    | ((shift_right(words[first + 1, lane], shift) & 0x03030303) << 2)
+                    | ((shift_right(words[first + 2, lane], shift) & 0x03030303) << 4)
+                    | ((shift_right(words[first + 3, lane], shift) & 0x03030303) << 6))
 
 
 class TileStore:
