@@ -1,8 +1,9 @@
 """The hand-written LLVM IR of our intrinsics, its small builders gathered in one place: vector
 constants, a typed pointer into an array, a scalar splatted across a vector, an LLVM intrinsic
 function declared once per module; and the intrinsics the streaming kernels use (float_from_bits;
-prefetch_row for the weights, prefetch_ahead for the cache's rows). The integer dots of
-inferno.kernels.nibble_dots and the cache's block dots (inferno.kv.vectors) build their IR from these."""
+prefetch_row for the weights, prefetch_ahead for the cache's rows; word_at for the repacking). The
+integer dots of inferno.kernels.nibble_dots and the cache's block dots (inferno.kv.vectors) build their
+IR from these."""
 
 from __future__ import annotations
 
@@ -93,6 +94,23 @@ def shift_right(typingctx, word, bits):
 
     def codegen(context, builder, signature, args):
         return builder.lshr(args[0], args[1])
+
+    return sig, codegen
+
+
+@intrinsic
+def word_at(typingctx, data, at):
+    """The little-endian uint32 at byte `at` of the uint8 array `data`, wherever it starts (one
+    unaligned load: assembled from four bytes, the repacking loop over a block's words vectorized into
+    scatters)."""
+    if not (isinstance(data, types.Array) and data.dtype == types.uint8 and isinstance(at, types.Integer)):
+        return None
+    sig = types.uint32(data, at)
+
+    def codegen(context, builder, signature, args):
+        offset = context.cast(builder, args[1], signature.args[1], types.intp)
+        word = pointer(context, builder, signature.args[0], args[0], offset, _INT)
+        return builder.load(word, align=1)
 
     return sig, codegen
 

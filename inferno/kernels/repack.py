@@ -3,10 +3,10 @@ row's blocks moved to a lane, and the packed types' values regrouped (inferno.ni
 `read_tiles` reads a tensor a window of the file at a time into a `TileStore`.
 
 One pass in a parallel kernel over a chunk of rows read from the file: numpy's reshapes and stacks took
-several temporary copies of every weight, most of the load time of a 1.5B model. Q4_K and Q6_K, most of a
-Q4_K_M file, go a chunk of rows at a time (`_by_words`): their blocks' words side by side first, then each
-byte row of the tile for all those rows in loops over lanes, which LLVM vectorizes; the other types a row
-at a time (`_by_lane`)."""
+several temporary copies of every weight, most of the load time of a 1.5B model. The block types go a
+chunk of rows at a time (`_by_words`): their blocks' 4-byte words side by side first, then each byte row
+of the tile for all those rows, in loops over lanes that LLVM vectorizes; the float types a row at a
+time (`_by_lane`)."""
 
 from __future__ import annotations
 
@@ -21,33 +21,44 @@ from gguf import GGMLQuantizationType as QType
 from numba import prange
 
 from inferno.errors import InfernoError
-from inferno.kernels.ggml import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K
+from inferno.kernels.ggml import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from inferno.kernels.jit import njit
-from inferno.kernels.llvm_ir import prefetch_row, shift_right
-from inferno.kernels.nibble_dots import PACKED
+from inferno.kernels.llvm_ir import prefetch_row, shift_right, word_at
 
 # Repacked blocks are this many bytes (the others as many as the file's): Q4_K's and Q5_K's 6-bit
 # scales and minimums take a byte each.
 TILE_BYTES = {Q4_K: 148, Q5_K: 180}
 LOAD_WINDOW_BYTES = 64 << 20  # file bytes mapped at a time while repacking
 CHUNK = 64  # rows `_by_words` turns into a tile's lanes at a time (its words fit in L1)
-_QS_Q4_0, _QS_Q4_1 = PACKED[Q4_0].quads, PACKED[Q4_1].quads
-_PLANES_Q5_0, _PLANES_Q5_1 = PACKED[Q5_0].planes, PACKED[Q5_1].planes
 
 
 def repack(raw: np.ndarray, tiles: np.ndarray, qtype: int) -> None:
     """raw uint8[rows, blocks, file bytes] -> tiles uint8[tile, block, tile bytes, lane]; lanes past
     the rows (the last tile's) are zeros."""
-    (_by_words if qtype in (Q4_K, Q6_K) else _by_lane)(raw, tiles, qtype)
+    if qtype in _WORDS:
+        skip, nwords, end = _WORDS[qtype]
+        if raw.ndim != 3 or raw.shape[2] < max(skip + 4 * nwords, end + 2):  # the loads are unchecked
+            raise ValueError(f"blocks of type {qtype} cannot be {raw.shape[2:]} bytes")
+        _by_words(np.ascontiguousarray(raw), tiles, qtype, skip, nwords, end)
+    else:
+        _by_lane(raw, tiles)
+
+
+# A block as `_by_words` reads it: (the byte its 4-byte words start at, how many, the first of the two
+# bytes outside them or -1): f16 scales before 4-byte fields, or Q6_K's d after them.
+_WORDS = {Q8_0: (2, 8, 0), Q4_0: (2, 4, 0), Q4_1: (0, 5, -1), Q5_0: (2, 5, 0), Q5_1: (0, 6, -1),
+          Q4_K: (0, 36, -1), Q5_K: (0, 44, -1), Q6_K: (0, 52, 208)}
 
 
 @njit(cache=True, parallel=True)
-def _by_words(raw, tiles, qtype):
-    """Q4_K, Q6_K: for each block of CHUNK rows, word i of every row's block at words[i, lane] (Q6_K's
-    last two bytes, d, in `ends`), then the tile's byte rows from those, all the chunk's lanes at once."""
+def _by_words(raw, tiles, qtype, skip, nwords, end):
+    """For each block of CHUNK rows: word i of every row's block at words[i, lane] (the two bytes from
+    `end` in `ends`), then the tile's byte rows from those, all the chunk's lanes at once (loops over
+    lanes, which LLVM vectorizes; a row at a time, the stores a tile's width apart, it could not)."""
     ntiles, nblocks, _, lanes = tiles.shape
-    nwords, chunk = raw.shape[2] // 4, min(lanes, CHUNK)
+    chunk, type_size = min(lanes, CHUNK), raw.shape[2]
     tile_words = tiles.reshape(ntiles, nblocks, -1).view(np.uint32)
+    data = raw.reshape(-1)
     for t in prange(ntiles):
         words, ends = np.empty((nwords, chunk), np.uint32), np.empty((2, chunk), np.uint8)
         for b in range(nblocks):
@@ -59,48 +70,116 @@ def _by_words(raw, tiles, qtype):
                     ends[:] = 0
                 for lane in range(n):
                     prefetch_row(raw[first + lane], b + 2)  # the CPU misses these CHUNK streams
-                    src = raw[first + lane, b]
-                    w = src[: 4 * nwords].view(np.uint32)
+                    at = ((first + lane) * nblocks + b) * type_size
                     for i in range(nwords):
-                        words[i, lane] = w[i]
-                    if qtype == Q6_K:
-                        ends[0, lane], ends[1, lane] = src[208], src[209]
-                if qtype == Q4_K:
-                    _q4_k_rows(words, tiles[t, b], tile_words[t, b], g)
-                else:
-                    _q6_k_rows(words, ends, tiles[t, b], tile_words[t, b], g)
+                        words[i, lane] = word_at(data, at + skip + 4 * i)
+                    if end >= 0:
+                        ends[0, lane], ends[1, lane] = data[at + end], data[at + end + 1]
+                _tile_rows(words, ends, tiles[t, b], tile_words[t, b], g, qtype)
 
 
 @njit(cache=True, parallel=True)
-def _by_lane(raw, tiles, qtype):
-    """The other types, a row's block at a time into its lane."""
+def _by_lane(raw, tiles):
+    """The float types: a row's values into its lane, byte for byte."""
     ntiles, nblocks, _, lanes = tiles.shape
-    words = tiles.reshape(ntiles, nblocks, -1).view(np.uint32)  # each block's tiles as 4-byte words
     for t in prange(ntiles):
         for b in range(nblocks):
             dst = tiles[t, b]
             if (t + 1) * lanes > raw.shape[0]:
-                dst[:] = 0  # (a lane's words spread over other lanes' columns: see _put)
+                dst[:] = 0
             for lane in range(min(lanes, raw.shape[0] - t * lanes)):
                 src = raw[t * lanes + lane, b]
-                at = (lane * 4 // lanes, lane * 4 % lanes)  # where the lane's words start (see _put)
-                if qtype in (Q4_0, Q4_1):
-                    _q4(src, dst, lane, at, _QS_Q4_1 if qtype == Q4_1 else _QS_Q4_0)
-                elif qtype in (Q5_0, Q5_1):
-                    _q5(src, dst, lane, at, _PLANES_Q5_1 if qtype == Q5_1 else _PLANES_Q5_0)
-                elif qtype == Q5_K:
-                    _q5_k(src, dst, words[t, b], lane, at)
-                else:
-                    for p in range(src.size):
-                        dst[p, lane] = src[p]
+                for p in range(src.size):
+                    dst[p, lane] = src[p]
+
+
+@njit(cache=True)
+def _tile_rows(words, ends, dst, dst_words, g, qtype):
+    """Lanes g.. of a tile's block dst [tile bytes, lanes] (dst_words: its bytes as uint32[-1]) from
+    words[i, lane] and ends (see _by_words): scales a byte row each, the packed types' values as nibble
+    quads in words over four byte rows ([k, lane, 4]: `_word_rows`), their 5th and high bits as plane
+    words (nibble_dots.Packing has each layout)."""
+    lanes, fifth = dst.shape[1], qtype in (Q5_0, Q5_1, Q5_K)
+    if qtype == Q8_0:  # d, then value j's int8 at row 2 + j
+        _end_rows(ends, dst, 0, g)
+        for i in range(8):
+            _byte_rows(words[i], dst, 2 + 4 * i, g)
+    elif qtype in (Q4_0, Q5_0):  # d, (the 5th bits' plane,) the nibble quads
+        _end_rows(ends, dst, 0, g)
+        if fifth:
+            _plane_row(_fifth_plane, words, 0, 0, dst_words, lanes, 2, g)
+        _word_rows(words, int(fifth), 4, dst_words, lanes, 2 + 4 * fifth, g)
+    elif qtype in (Q4_1, Q5_1):  # d and m, (the 5th bits' plane,) the nibble quads
+        _byte_rows(words[0], dst, 0, g)
+        if fifth:
+            _plane_row(_fifth_plane, words, 1, 0, dst_words, lanes, 4, g)
+        _word_rows(words, 1 + fifth, 4, dst_words, lanes, 4 + 4 * fifth, g)
+    elif qtype in (Q4_K, Q5_K):
+        _k_rows(words, dst, dst_words, lanes, g, fifth)
+    else:
+        _q6_k_rows(words, ends, dst, dst_words, lanes, g)
 
 
 @njit(cache=True, inline="always")
-def _put(dst, row, k, i, at, value):
-    """Byte i of 4-byte word k of a lane, of the words starting at byte row `row`: the words sit side
-    by side, [k, lane, 4] laid over the byte rows, so a lane's word k starts at row row + 4k + at[0],
-    column at[1] (at = divmod(4 lane, lanes))."""
-    dst[row + 4 * k + at[0], at[1] + i] = value
+def _end_rows(ends, dst, row, g):
+    """The two bytes outside a block's words, at byte rows row and row + 1."""
+    n = ends.shape[1]
+    for p in range(2):
+        out = dst[row + p, g : g + n]
+        for lane in range(n):
+            out[lane] = ends[p, lane]
+
+
+@njit(cache=True, inline="always")
+def _byte_rows(word, dst, row, g):
+    """Byte p of each lane's `word` at byte row row + p."""
+    n = word.size
+    for p in range(4):
+        out, shift = dst[row + p, g : g + n], np.uint32(8 * p)
+        for lane in range(n):
+            out[lane] = np.uint8(shift_right(word[lane], shift) & 255)
+
+
+@njit(cache=True, inline="always")
+def _word_rows(words, first, count, dst_words, lanes, row, g):
+    """words[first + k] as word k of the words from byte row `row` ([k, lane, 4] over the rows)."""
+    n = words.shape[1]
+    for k in range(count):
+        at = row * lanes // 4 + k * lanes + g
+        out = dst_words[at : at + n]
+        for lane in range(n):
+            out[lane] = words[first + k, lane]
+
+
+@njit(cache=True, inline="always")
+def _plane_row(plane, words, first, j, dst_words, lanes, row, g):
+    """plane(words, first, j, lane) for each lane: the plane word from byte row `row`."""
+    n = words.shape[1]
+    at = row * lanes // 4 + g
+    out = dst_words[at : at + n]
+    for lane in range(n):
+        out[lane] = plane(words, first, j, lane)
+
+
+@njit(cache=True, inline="always")
+def _fifth_plane(words, first, j, lane):
+    """Q5_0's and Q5_1's 5th bits, bit v of words[first] that of value v, as a plane word: byte i bit m
+    is value 4m + i's (values 4m + i are nibble quad i's, the low nibbles of its bytes m < 4)."""
+    qh, plane = words[first, lane], np.uint32(0)
+    for m in range(8):
+        for i in range(4):
+            plane |= np.uint32((shift_right(qh, np.uint32(4 * m + i)) & 1) << (8 * i + m))
+    return plane
+
+
+@njit(cache=True, inline="always")
+def _k_fifth_plane(words, first, j, lane):
+    """Q5_K's 5th bits of sub-block j, bit j of qh byte v (words first.., a byte a value) that of value
+    v, as _fifth_plane lays them: byte i bit m from byte i of word first + m."""
+    plane = np.uint32(0)
+    for m in range(8):
+        plane |= np.uint32((shift_right(words[first + m, lane], np.uint32(j)) & 0x01010101) << m)
+    return plane
 
 
 @njit(cache=True, inline="always")
@@ -113,70 +192,9 @@ def _quads(low, high):
 
 
 @njit(cache=True, inline="always")
-def _k_scales(s0, s4, s8):
-    """Q4_K's and Q5_K's scale and minimum bytes j, 4 + j, 8 + j, 12 + j from its packed 6-bit ones j,
-    4 + j and 8 + j (bytes 4 + j.. of the block): scale j, minimum j, scale 4 + j, minimum 4 + j."""
-    return (np.uint8(s0 & 63), np.uint8(s4 & 63), np.uint8((s8 & 15) | (shift_right(s0, np.uint32(6)) << 4)),
-            np.uint8(shift_right(s8, np.uint32(4)) | (shift_right(s4, np.uint32(6)) << 4)))
-
-
-@njit(cache=True)
-def _q4(src, dst, lane, at, qs):
-    """Q4_0 (qs = 2), Q4_1 (qs = 4): the scales as they are, the nibble bytes as quads."""
-    for p in range(qs):
-        dst[p, lane] = src[p]
-    for t in range(16):
-        _put(dst, qs, t // 4, t % 4, at, src[qs + t])
-
-
-@njit(cache=True, inline="always")
-def _fifth_bits(dst, row, at, src, first, per_byte, shift):
-    """A sub-block's 5th bits as one plane word (byte i: bit m of value 4m + i, or 16 + 4(m - 4) + i),
-    that of value v being bit shift + v % per_byte of src[first + v // per_byte] (Q5_0, Q5_1: eight
-    values a byte; Q5_K: one, bit j for sub-block j)."""
-    for i in range(4):
-        plane = 0
-        for m in range(8):
-            v = 4 * m + i if m < 4 else 16 + 4 * (m - 4) + i
-            plane |= ((src[first + v // per_byte] >> (shift + v % per_byte)) & 1) << m
-        _put(dst, row, 0, i, at, np.uint8(plane))
-
-
-@njit(cache=True)
-def _q5(src, dst, lane, at, planes):
-    """Q5_0 (planes = 2), Q5_1 (planes = 4): d (and m), then the 5th bits as one plane word, then the
-    nibble quads; the file's qh sits where the plane goes, its qs where the quads go."""
-    for p in range(planes):
-        dst[p, lane] = src[p]
-    _fifth_bits(dst, planes, at, src, planes, 8, 0)
-    for t in range(16):
-        _put(dst, planes + 4, t // 4, t % 4, at, src[planes + 4 + t])
-
-
-@njit(cache=True)
-def _q5_k(src, dst, words, lane, at):
-    """d and dmin, the eight 6-bit scales (bytes 4-11) and minimums (12-19) a byte each, then each
-    sub-block of 32 values (its nibbles after the 32 bytes of qh) as nibble quads and a plane word of
-    its 5th bits (rows 20 + 20j, 36 + 20j). words: dst as uint32[-1]."""
-    for p in range(4):
-        dst[p, lane] = src[p]
-    for j in range(4):
-        dst[4 + j, lane], dst[12 + j, lane], dst[8 + j, lane], dst[16 + j, lane] = _k_scales(
-            np.uint32(src[4 + j]), np.uint32(src[8 + j]), np.uint32(src[12 + j]))
-    lanes, src_words = dst.shape[1], src.view(np.uint32)
-    for c in range(4):  # sub-blocks 2c and 2c + 1 are the low and high nibbles of bytes 32c.. of qs
-        for k in range(4):
-            even, odd = _quads(src_words[12 + 8 * c + k], src_words[16 + 8 * c + k])
-            words[(20 + 40 * c) * lanes // 4 + k * lanes + lane] = even
-            words[(40 + 40 * c) * lanes // 4 + k * lanes + lane] = odd
-        _fifth_bits(dst, 36 + 40 * c, at, src, 16, 1, 2 * c)  # bit j of qh[v] (bytes 16-47): value v of
-        _fifth_bits(dst, 56 + 40 * c, at, src, 16, 1, 2 * c + 1)  # sub-block j's 5th bit
-
-
-@njit(cache=True, inline="always")
 def _quad_rows(words, dst_words, lanes, g, even_row, odd_row, first):
-    """For lanes g.. (as many as `words` holds): _quads of words[first + k] and words[first + 4 + k],
-    word k of byte rows even_row and odd_row of the tile (dst_words: its bytes as uint32[-1])."""
+    """_quads of words[first + k] and words[first + 4 + k] for each lane: word k of the words from byte
+    rows even_row and odd_row."""
     n = words.shape[1]
     for k in range(4):
         low, high = words[first + k], words[first + 4 + k]
@@ -187,41 +205,41 @@ def _quad_rows(words, dst_words, lanes, g, even_row, odd_row, first):
 
 
 @njit(cache=True)
-def _q4_k_rows(words, dst, dst_words, g):
-    """Q4_K for lanes g.. of a tile's block dst [tile bytes, lanes] (laid out as _q5_k's, without the
-    5th bits: sub-blocks at rows 20 + 16j) from words[i, lane] (word i of each row's block)."""
-    n, lanes = words.shape[1], dst.shape[1]
-    for p in range(4):  # d and dmin
-        row, shift = dst[p, g : g + n], np.uint32(8 * p)
-        for lane in range(n):
-            row[lane] = np.uint8(shift_right(words[0, lane], shift) & 255)
-    for j in range(4):
+def _k_rows(words, dst, dst_words, lanes, g, fifth):
+    """Q4_K, and with `fifth` Q5_K: d and dmin, the eight 6-bit scales (bytes 4-11) and minimums (12-19)
+    a byte each, then each sub-block of 32 values as nibble quads (Q4_K: rows 20 + 16j), and for Q5_K
+    (its nibbles after the 32 bytes of qh) as nibble quads and a plane word of its 5th bits (rows
+    20 + 20j, 36 + 20j)."""
+    n = words.shape[1]
+    _byte_rows(words[0], dst, 0, g)
+    for j in range(4):  # scale and minimum j from packed bytes 4 + j and 8 + j, j + 4 from those and 12 + j
         shift = np.uint32(8 * j)
         scale, low_min, high_scale, high_min = (dst[4 + j, g : g + n], dst[12 + j, g : g + n],
                                                 dst[8 + j, g : g + n], dst[16 + j, g : g + n])
         for lane in range(n):
-            scale[lane], low_min[lane], high_scale[lane], high_min[lane] = _k_scales(
-                np.uint32(shift_right(words[1, lane], shift) & 255),
-                np.uint32(shift_right(words[2, lane], shift) & 255),
-                np.uint32(shift_right(words[3, lane], shift) & 255))
-    for c in range(4):  # sub-blocks 2c and 2c + 1: the nibbles of words 4 + 8c..
-        _quad_rows(words, dst_words, lanes, g, 20 + 32 * c, 36 + 32 * c, 4 + 8 * c)
+            s0 = np.uint32(shift_right(words[1, lane], shift) & 255)
+            s4 = np.uint32(shift_right(words[2, lane], shift) & 255)
+            s8 = np.uint32(shift_right(words[3, lane], shift) & 255)
+            scale[lane], low_min[lane] = np.uint8(s0 & 63), np.uint8(s4 & 63)
+            high_scale[lane] = np.uint8((s8 & 15) | (shift_right(s0, np.uint32(6)) << 4))
+            high_min[lane] = np.uint8(shift_right(s8, np.uint32(4)) | (shift_right(s4, np.uint32(6)) << 4))
+    for c in range(4):  # sub-blocks 2c and 2c + 1: the low and high nibbles of qs bytes 32c..
+        if fifth:  # qs after qh (words 4-11)
+            _quad_rows(words, dst_words, lanes, g, 20 + 40 * c, 40 + 40 * c, 12 + 8 * c)
+            _plane_row(_k_fifth_plane, words, 4, 2 * c, dst_words, lanes, 36 + 40 * c, g)
+            _plane_row(_k_fifth_plane, words, 4, 2 * c + 1, dst_words, lanes, 56 + 40 * c, g)
+        else:
+            _quad_rows(words, dst_words, lanes, g, 20 + 32 * c, 36 + 32 * c, 4 + 8 * c)
 
 
 @njit(cache=True)
-def _q6_k_rows(words, ends, dst, dst_words, g):
-    """Q6_K for lanes g.. of a tile's block dst [tile bytes, lanes]: d (ends), the 16 int8 scales, then
-    each sub-block of 32 values (j = 4h + s: values 128h + 32s..) as nibble quads and two plane words of
-    its high 2 bits (rows 18 + 24j, 34 + 24j), from words[i, lane] (word i of each row's block)."""
-    n, lanes = words.shape[1], dst.shape[1]
-    for p in range(2):
-        row = dst[p, g : g + n]
-        for lane in range(n):
-            row[lane] = ends[p, lane]
-    for p in range(16):  # the scales: bytes 192.. (words 48..)
-        row, shift = dst[2 + p, g : g + n], np.uint32(8 * (p % 4))
-        for lane in range(n):
-            row[lane] = np.uint8(shift_right(words[48 + p // 4, lane], shift) & 255)
+def _q6_k_rows(words, ends, dst, dst_words, lanes, g):
+    """Q6_K: d (ends), the 16 int8 scales, then each sub-block of 32 values (j = 4h + s: values
+    128h + 32s..) as nibble quads and two plane words of its high 2 bits (rows 18 + 24j, 34 + 24j)."""
+    n = words.shape[1]
+    _end_rows(ends, dst, 0, g)
+    for i in range(4):  # the scales: bytes 192.. (words 48..)
+        _byte_rows(words[48 + i], dst, 2 + 4 * i, g)
     for h in range(2):  # low 4 bits: sub-blocks 4h + r and 4h + r + 2 are the nibbles of ql bytes 64h + 32r..
         for r in range(2):
             j = 4 * h + r
