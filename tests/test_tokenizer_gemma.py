@@ -16,6 +16,7 @@ from test_tokenizer import stream, write_variant
 
 from inferno.file.reader import open_gguf
 from inferno.text.tokenizer import GGUFTokenizer
+from inferno.text.vocabulary import merges_as_strings
 
 FIXTURE = json.loads((FIXTURES / "tokenizer_gemma3.json").read_text(encoding="utf-8"))
 CASES = FIXTURE["cases"]
@@ -94,3 +95,9 @@ def test_the_prepared_models_tokenizer_is_the_same_tokenizer(tok: GGUFTokenizer)
     assert [again.decode(case["ids"]) for case in CASES] == [case["decoded"] for case in CASES]
     assert [again.token_bytes(i) for i in range(0, tok.vocab_size, 97)] == [
         tok.token_bytes(i) for i in range(0, tok.vocab_size, 97)]
+
+
+def test_the_stored_json_is_what_tokenizers_writes(tok: GGUFTokenizer) -> None:
+    """A SentencePiece tokenizer is built from the JSON to_state stores, as a byte-level one is: it holds
+    what `tokenizers` itself writes for the tokenizer (merges "left right"), added tokens and ids too."""
+    assert json.loads(tok.to_state()[1]) == json.loads(merges_as_strings(tok._tokenizer.to_str()))

@@ -20,7 +20,6 @@ from inferno.text.vocabulary import (
     BYTE,
     CONTROL,
     SPACE,
-    added_tokens,
     byte_level_tokenizer,
     merges_as_strings,
     sentencepiece_tokenizer,
@@ -106,12 +105,9 @@ class GGUFTokenizer:
             pieces, byte_values = None, {}
             add_bos_default = False
         else:
-            tokenizer, pieces = sentencepiece_tokenizer(reader, tokens, ids["unknown"])
-            tokenizer_json = None
+            tokenizer, pieces, tokenizer_json = sentencepiece_tokenizer(
+                reader, tokens, token_types, named_ids, ids["unknown"])
             byte_values = {i: int(tokens[i][3:5], 16) for i, t in enumerate(token_types) if t == BYTE}
-            special, user_defined = added_tokens(tokens, token_types, named_ids, None, set(pieces))
-            tokenizer.add_special_tokens(special)
-            tokenizer.add_tokens(user_defined)
             add_bos_default = True  # llama.cpp's and transformers' default for SentencePiece files
         stop_ids = {i for i in (ids["eos"], ids["eot"], ids["eom"]) if i is not None}
         stop_ids |= {

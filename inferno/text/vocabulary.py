@@ -143,12 +143,22 @@ def byte_level_tokenizer(
             ]
         )
     skeleton.decoder = decoders.ByteLevel()
+    # "left right" is the older form of a merge, which `tokenizers` still reads, and a quarter faster
+    return _from_skeleton(skeleton, special, user_defined, vocab,
+                          merges if _all_one_space(merges) else [m.split(" ", 1) for m in merges])
+
+
+def _from_skeleton(
+    skeleton: Tokenizer, special: list[AddedToken], user_defined: list[AddedToken], vocab: dict[str, int],
+    merges: list[str] | list[list[str]],
+) -> tuple[Tokenizer, str]:
+    """The tokenizer `skeleton` is with the added tokens and the whole vocabulary and merges, built from
+    its `tokenizers` JSON, and that JSON. The skeleton's BPE holds only the added tokens (which take
+    their ids from it); `tokenizers` writes the rest of the JSON itself."""
     skeleton.add_special_tokens(special)
     skeleton.add_tokens(user_defined)
     spec = json.loads(skeleton.to_str())
-    # "left right" is the older form of a merge, which `tokenizers` still reads, and a quarter faster
-    spec["model"].update(vocab=vocab, merges=merges if _all_one_space(merges) else
-                         [m.split(" ", 1) for m in merges])
+    spec["model"].update(vocab=vocab, merges=merges)
     tokenizer_json = json.dumps(spec, ensure_ascii=False)
     try:
         return Tokenizer.from_str(tokenizer_json), tokenizer_json
@@ -181,45 +191,50 @@ def _all_one_space(merges: list[str]) -> bool:
 
 
 def sentencepiece_tokenizer(
-    reader: gguf.GGUFReader, tokens: list[str], unk_id: int | None
-) -> tuple[Tokenizer, list[str]]:
+    reader: gguf.GGUFReader, tokens: list[str], token_types: list[int], named: set[int], unk_id: int | None
+) -> tuple[Tokenizer, list[str], str]:
     """SentencePiece BPE as transformers rebuilds it from a GGUF: spaces are ▁, characters missing from
     the vocabulary fall back to <0xNN> byte tokens, and merges come from the vocabulary itself.
 
     A SentencePiece file lists no merges: a token merges from any two tokens that spell it, the
     better-ranked tokens first (by score; Gemma's by their order in the vocabulary). Returns the
-    tokenizer and the pieces as it spells them.
+    tokenizer, the pieces as it spells them, and the `tokenizers` JSON it was built from (as
+    byte_level_tokenizer does).
     """
     gemma = metadata(reader, "general.architecture", expected=str) in _GEMMA_ARCHITECTURES
+    pieces = tokens
     if gemma:  # Gemma writes its runs of spaces as real spaces; they are ▁▁... to the merges
-        tokens = [SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
-        priority = {token: -i for i, token in enumerate(tokens)}
+        pieces = [SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+        priority = {piece: -i for i, piece in enumerate(pieces)}
     else:
         scores = metadata_list(reader, "tokenizer.ggml.scores", float)
         if scores is None or len(scores) != len(tokens):
             raise InfernoError("GGUF SentencePiece tokenizer has no score for every token")
         priority = dict(zip(tokens, scores, strict=True))
-    vocab = {token: i for i, token in enumerate(tokens)}
-    unk = tokens[unk_id] if unk_id is not None else None
-    bpe = models.BPE(
-        vocab=vocab,
-        merges=_merges_from_vocabulary(vocab, priority),
-        unk_token=unk,
-        fuse_unk=True,
-        byte_fallback=True,
-    )
-    tokenizer = Tokenizer(bpe)
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+    special, user_defined = added_tokens(tokens, token_types, named, None, vocab)
+    added = {t.content: vocab[t.content] for t in special + user_defined if t.content in vocab}
+    fresh = len(vocab)
+    for t in special + user_defined:  # one respelled for the merges: a new id after the vocabulary's
+        if t.content not in added:
+            added[t.content], fresh = fresh, fresh + 1
+    unk = pieces[unk_id] if unk_id is not None else None
+    skeleton = Tokenizer(models.BPE(vocab=added, merges=[], unk_token=unk, fuse_unk=True, byte_fallback=True))
     add_prefix_space = metadata(reader, "tokenizer.ggml.add_space_prefix", True, expected=bool) and not gemma
-    tokenizer.normalizer = normalizers.Replace(" ", SPACE)
+    skeleton.normalizer = normalizers.Replace(" ", SPACE)
     steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_prefix_space:  # Llama 2 style: a ▁ before the text (not after special tokens), dropped on decode
-        tokenizer.normalizer = None
-        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        skeleton.normalizer = None
+        skeleton.pre_tokenizer = pre_tokenizers.Metaspace(
             replacement=SPACE, prepend_scheme="first", split=False
         )
         steps.append(decoders.Strip(content=" ", left=1))
-    tokenizer.decoder = decoders.Sequence(steps)
-    return tokenizer, tokens
+    skeleton.decoder = decoders.Sequence(steps)
+    pairs = _merges_from_vocabulary(vocab, priority)
+    one_space = not any(" " in left or " " in right for left, right in pairs)  # (pieces are never empty)
+    merges = [f"{left} {right}" for left, right in pairs] if one_space else [list(pair) for pair in pairs]
+    tokenizer, tokenizer_json = _from_skeleton(skeleton, special, user_defined, vocab, merges)
+    return tokenizer, pieces, tokenizer_json
 
 
 def _merges_from_vocabulary(vocab: dict[str, int], priority: dict[str, float]) -> list[tuple[str, str]]:
