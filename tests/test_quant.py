@@ -87,6 +87,16 @@ def test_repack_writes_every_byte_of_its_tiles(qtype, rows):
     assert np.array_equal(got, want)
 
 
+@pytest.mark.parametrize("raw, tiles", [((4, 2, 100), (1, 2, 148, 64)), ((4, 3, 144), (1, 2, 148, 64)),
+                                        ((65, 2, 144), (1, 2, 148, 64)), ((4, 2, 144), (1, 2, 144, 64)),
+                                        ((4, 2, 144), (1, 2, 148, 96))])
+def test_repack_refuses_blocks_that_do_not_fit_their_tiles(raw, tiles):
+    """Its kernels read and write unchecked: a block size, block count, row count, tile size or width
+    that does not fit is refused before they run."""
+    with pytest.raises(ValueError, match=r"do not fit|cannot be"):
+        repack(np.zeros(raw, np.uint8), np.zeros(tiles, np.uint8), int(Q.Q4_K))
+
+
 # rows not a multiple of any tile height, so the last tile is padded (the packed types' tiles: 64 rows, and
 # 256 for the matrix of many rows); 512 columns hold 2 K-quant super-blocks
 @pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda t: t.name)

@@ -35,10 +35,15 @@ CHUNK = 64  # rows `_by_words` turns into a tile's lanes at a time (its words fi
 def repack(raw: np.ndarray, tiles: np.ndarray, qtype: int) -> None:
     """raw uint8[rows, blocks, file bytes] -> tiles uint8[tile, block, tile bytes, lane]; lanes past
     the rows (the last tile's) are zeros."""
+    ntiles, nblocks, tile_bytes, lanes = tiles.shape
+    # the kernels' loads and stores are unchecked: the shapes must agree
+    if raw.ndim != 3 or raw.shape[1] != nblocks or raw.shape[0] > ntiles * lanes or \
+            tile_bytes != TILE_BYTES.get(qtype, raw.shape[2]) or lanes % min(lanes, CHUNK):
+        raise ValueError(f"blocks {raw.shape} of type {qtype} do not fit tiles {tiles.shape}")
     if qtype in _WORDS:
         skip, nwords, end = _WORDS[qtype]
-        if raw.ndim != 3 or raw.shape[2] < max(skip + 4 * nwords, end + 2):  # the loads are unchecked
-            raise ValueError(f"blocks of type {qtype} cannot be {raw.shape[2:]} bytes")
+        if raw.shape[2] != gguf.GGML_QUANT_SIZES[QType(qtype)][1]:
+            raise ValueError(f"blocks of type {qtype} cannot be {raw.shape[2]} bytes")
         _by_words(np.ascontiguousarray(raw), tiles, qtype, skip, nwords, end)
     else:
         _by_lane(raw, tiles)
