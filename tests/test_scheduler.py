@@ -9,6 +9,7 @@ from conftest import FIXTURES
 
 from inferno.kv import LAYOUTS
 from inferno.kv.paged import PagedKVCache
+from inferno.runtime.engine import WARM_TOKENS, Engine
 from inferno.runtime.scheduler import Request, SchedulerFullError
 
 NEW = 6
@@ -84,8 +85,6 @@ def test_a_short_pool_preempts_and_recomputes_without_changing_tokens(engine):
 def test_a_pool_too_small_for_the_warm_up_still_runs_what_fits():
     """A pool of one 2-token block cannot hold the warm-up's tokens: the scheduler starts without it
     (the kernels then load in the first request's forwards) and runs a request that fits."""
-    from inferno.runtime.engine import WARM_TOKENS, Engine
-
     engine = Engine.load(FIXTURES / "tiny_qwen3.gguf")
     scheduler = engine.scheduler("paged", max_batch=1, pool_blocks=1, block_size=WARM_TOKENS - 1)
     want = engine.run([1], 1, kv="prealloc", ignore_eos=True).token_ids

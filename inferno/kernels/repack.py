@@ -241,7 +241,6 @@ def _k_rows(words, dst, dst_words, lanes, g, fifth):
 def _q6_k_rows(words, ends, dst, dst_words, lanes, g):
     """Q6_K: d (ends), the 16 int8 scales, then each sub-block of 32 values (j = 4h + s: values
     128h + 32s..) as nibble quads and two plane words of its high 2 bits (rows 18 + 24j, 34 + 24j)."""
-    n = words.shape[1]
     _end_rows(ends, dst, 0, g)
     for i in range(4):  # the scales: bytes 192.. (words 48..)
         _byte_rows(words[48 + i], dst, 2 + 4 * i, g)
@@ -249,17 +248,20 @@ def _q6_k_rows(words, ends, dst, dst_words, lanes, g):
         for r in range(2):
             j = 4 * h + r
             _quad_rows(words, dst_words, lanes, g, 18 + 24 * j, 18 + 24 * (j + 2), 16 * h + 8 * r)
-    for j in range(8):  # high 2 bits: bits 2s of qh bytes 128 + 32h + v; byte i of word p of a plane
-        h, shift = j // 4, np.uint32(2 * (j % 4))  # holds those of its bytes 4(4p + k) + i, in bits 2k
+    for j in range(8):  # high 2 bits: bits 2s of qh bytes 128 + 32h + v, two plane words a sub-block
         for p in range(2):
-            at, first = (34 + 24 * j) * lanes // 4 + p * lanes + g, 32 + 8 * h + 4 * p
-            plane = dst_words[at : at + n]
-            for lane in range(n):
-                plane[lane] = np.uint32(
-                    (shift_right(words[first, lane], shift) & 0x03030303)
-                    | ((shift_right(words[first + 1, lane], shift) & 0x03030303) << 2)
-                    | ((shift_right(words[first + 2, lane], shift) & 0x03030303) << 4)
-                    | ((shift_right(words[first + 3, lane], shift) & 0x03030303) << 6))
+            _plane_row(_high_plane, words, 32 + 8 * (j // 4) + 4 * p, 2 * (j % 4), dst_words, lanes,
+                       34 + 24 * j + 4 * p, g)
+
+
+@njit(cache=True, inline="always")
+def _high_plane(words, first, shift, lane):
+    """Q6_K's high 2 bits from bit `shift` of each byte of words first..first + 3: byte i of the plane
+    word holds those of byte i of word first + k in its bits 2k."""
+    plane = np.uint32(0)
+    for k in range(4):
+        plane |= np.uint32((shift_right(words[first + k, lane], np.uint32(shift)) & 0x03030303) << (2 * k))
+    return plane
 
 
 class TileStore:
