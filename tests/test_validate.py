@@ -78,6 +78,11 @@ CASES = {
     "kv heads do not divide heads": (set_int("llama.attention.head_count_kv", 3), "multiple of 3 KV heads"),
     "block_count 2**32+1": (set_value("llama.block_count", GGUFValueType.UINT64, 2**32 + 1),
                             "4294967297 layers"),
+    "block_count as true or false": (set_value("llama.block_count", GGUFValueType.BOOL, True),
+                                     "block_count should be an integer, not True"),
+    "head counts as true or false": (
+        set_value("llama.attention.head_count_kv", GGUFValueType.ARRAY, (GGUFValueType.BOOL, [True, True])),
+        "head_count_kv is neither"),
     "epsilon as a string": (set_value("llama.attention.layer_norm_rms_epsilon", GGUFValueType.STRING, "1e-5"),
                             "layer_norm_rms_epsilon should be a number"),
     "epsilon 0": (set_value("llama.attention.layer_norm_rms_epsilon", GGUFValueType.FLOAT32, 0.0),
@@ -110,6 +115,6 @@ def test_nan_in_a_matrix_is_reported_as_such_not_sampled(tmp_path):
 
 
 def test_the_fixtures_themselves_pass():
-    for name in ("tiny_llama", "tiny_qwen2", "tiny_qwen3"):
+    for name in ("tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_kquant"):
         engine = Engine.load(FIXTURES / f"{name}.gguf")
         assert len(engine.generate("Hello", 2, ignore_eos=True).token_ids) == 2

@@ -49,7 +49,7 @@ def model_info(get: Callable[[str], Any]) -> ModelInfo:
     def key(name: str, per_layer: bool = False) -> Any:
         """An integer, or None when absent; `per_layer` keys may also list one value per layer."""
         value = get(f"{arch}.{name}")
-        if isinstance(value, (str, float)) or (isinstance(value, list) and not per_layer):
+        if isinstance(value, (str, float, bool)) or (isinstance(value, list) and not per_layer):
             raise InfernoError(f"GGUF metadata {arch}.{name} should be an integer, not {value!r}"[:160])
         return value
 
@@ -97,9 +97,13 @@ def _layer_values(value: Any, layers: int, key: str) -> tuple[int, ...] | None:
         return None
     if isinstance(value, int):
         return (value,) * layers
-    if isinstance(value, list) and len(value) == layers and all(isinstance(v, int) for v in value):
+    if isinstance(value, list) and len(value) == layers and all(_integer(v) for v in value):
         return tuple(value)
     raise InfernoError(f"GGUF metadata {key} is neither an integer nor one per layer: {value!r}")
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python, not to a GGUF
 
 
 def pattern_layers(layers: int, period: int) -> frozenset[int]:
