@@ -26,7 +26,7 @@ test: setup models
 	$(BIN)/pytest -q
 
 ## fuzz: 5,000 mutated GGUF files through model-generate with Numba's bounds checks on (make test runs
-## 1,020 without them). Bounds-checked kernels compile into their own cache: Numba's cache key ignores
+## 1,360 without them). Bounds-checked kernels compile into their own cache: Numba's cache key ignores
 ## the flag. A first case alone compiles them once, before the workers start.
 FUZZ_ENV := NUMBA_BOUNDSCHECK=1 NUMBA_CACHE_DIR=build/numba-boundscheck
 fuzz: setup

@@ -7,11 +7,13 @@ that worker had not finished run again, the one it died on alone in its own proc
 
     python tests/gguf_fuzz.py --cases 5000            # what `make fuzz` runs, with NUMBA_BOUNDSCHECK=1
 
-A case is (fixture, seed): the same pair always makes the same file. The mutations:
-metadata integers set to 0 / -1 / 2**32+1 / 2**63 / off by one, values of another type, strings that
-are not UTF-8, keys removed, tensor shapes swapped or changed, tensor types changed, tensors dropped
-or renamed, NaN/Inf written into weights, and after serialising, bytes flipped in the header,
-metadata and tensor table, or the file cut short.
+A case is (fixture, seed): the same pair always makes the same file. The fixtures are the tiny models
+(float32, float16 and Q8_0 weights) and tiny_kquant (Q4_K and Q6_K blocks of a real Q4_K_M file, an
+untied output). The mutations: metadata integers set to 0 / -1 / 2**32+1 / 2**63 / off by one, values
+of another type, strings that are not UTF-8, keys removed, tensor shapes swapped or changed, tensor
+types changed, matrices re-typed to random blocks of any type inferno runs, tensors dropped or renamed,
+NaN/Inf written into weights, and after serialising, bytes flipped in the header, metadata and tensor
+table, or the file cut short.
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-MODELS = ("tiny_llama", "tiny_qwen2", "tiny_qwen3")
+MODELS = ("tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_kquant")  # kquant: Q4_K and Q6_K, untied
 ALIGNMENT = 32
 PROG = "model-generate"
 MEMORY_LIMIT = 3 << 30  # address space of a worker: ~10x what running a tiny model takes
@@ -120,6 +122,8 @@ def write_model(model: Model) -> bytes:
 INT_VALUES = (0, -1, 2**32 + 1, 2**63, 1, 2, 3, 7, 2**31, 10**6)
 DIM_VALUES = (0, 1, 2, 3, 31, 33, 2**32 + 1, 2**63)
 TENSOR_TYPES = (0, 1, 2, 3, 6, 7, 8, 10, 12, 14, 20, 30, 99)  # F32 F16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 ... bogus
+BLOCK_TYPES = tuple(GGMLQuantizationType[n] for n in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                                                      "Q8_0", "Q4_K", "Q5_K", "Q6_K"))  # what inferno runs
 
 
 def _int_field(rng: random.Random, m: Model) -> str:
@@ -138,7 +142,7 @@ def _retype_field(rng: random.Random, m: Model) -> str:
     f = rng.choice([f for f in m.fields if f[1] != GGUFValueType.ARRAY])
     choices = {
         GGUFValueType.STRING: lambda v: str(v),
-        GGUFValueType.FLOAT32: lambda v: float(v) if not isinstance(v, str) else 1.5,
+        GGUFValueType.FLOAT32: lambda v: float(v) if not isinstance(v, (str, bytes)) else 1.5,
         GGUFValueType.FLOAT64: lambda v: float("nan"),
         GGUFValueType.BOOL: lambda v: True,
         GGUFValueType.INT32: lambda v: -7,
@@ -157,7 +161,7 @@ def _float_field(rng: random.Random, m: Model) -> str:
 
 def _bad_utf8(rng: random.Random, m: Model) -> str:
     f = rng.choice([f for f in m.fields if f[1] == GGUFValueType.STRING or
-                    (f[1] == GGUFValueType.ARRAY and f[2][0] == GGUFValueType.STRING)])
+                    (f[1] == GGUFValueType.ARRAY and f[2][0] == GGUFValueType.STRING and f[2][1])])
     if f[1] == GGUFValueType.STRING:
         f[2] = b"\xff\xfe" + (f[2].encode() if isinstance(f[2], str) else f[2])[:3]
     else:
@@ -213,6 +217,16 @@ def _tensor_type(rng: random.Random, m: Model) -> str:
     return f"{t.name} type {t.type}"
 
 
+def _tensor_blocks(rng: random.Random, m: Model) -> str:
+    """A matrix re-typed, its data random bytes of the new type's size: garbage blocks (NaN, Inf and huge
+    scales among them) that the repacking and the integer dots must take, or refuse in one line."""
+    t = rng.choice([t for t in m.tensors if len(t.shape) == 2])
+    qtype = rng.choice([q for q in BLOCK_TYPES if t.shape[0] % GGML_QUANT_SIZES[q][0] == 0])
+    block, size = GGML_QUANT_SIZES[qtype]
+    t.type, t.data = int(qtype), rng.randbytes(t.shape[0] // block * size * t.shape[1])
+    return f"{t.name} as random {qtype.name} blocks"
+
+
 def _tensor_set(rng: random.Random, m: Model) -> str:
     i = rng.randrange(len(m.tensors))
     t = m.tensors[i]
@@ -233,7 +247,7 @@ def _tensor_set(rng: random.Random, m: Model) -> str:
 
 
 STRUCTURED = (_int_field, _int_field, _retype_field, _float_field, _bad_utf8, _array_field, _drop_field,
-              _tensor_shape, _tensor_shape, _tensor_type, _tensor_set)
+              _tensor_shape, _tensor_shape, _tensor_type, _tensor_blocks, _tensor_set)
 
 
 def make_case(name: str, seed: int) -> tuple[bytes, str]:
@@ -367,8 +381,8 @@ def run_cases(cases: list[tuple[str, int]], workers: int = 2, timeout_s: float =
     return rows
 
 
-def cases_for(n: int, first_seed: int = 0) -> list[tuple[str, int]]:
-    return [(MODELS[i % len(MODELS)], first_seed + i) for i in range(n)]
+def cases_for(n: int, first_seed: int = 0, models: tuple[str, ...] = MODELS) -> list[tuple[str, int]]:
+    return [(models[i % len(models)], first_seed + i) for i in range(n)]
 
 
 def main() -> None:
@@ -378,13 +392,17 @@ def main() -> None:
     parser.add_argument("--cases", type=int, default=1000)
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated fixtures to mutate")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker([tuple(c) for c in json.loads(args.worker[0])], Path(args.worker[1]))
         return
     t = time.perf_counter()
-    rows = run_cases(cases_for(args.cases, args.first_seed), args.workers)
+    models = tuple(args.models.split(","))
+    if not set(models) <= set(MODELS):
+        parser.error(f"--models: choose from {', '.join(MODELS)}")
+    rows = run_cases(cases_for(args.cases, args.first_seed, models), args.workers)
     counts = Counter(row["outcome"] for row in rows)
     for row in rows:
         if row["outcome"] not in ("ran", "refused"):

@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType as QType
 SHAPES = {  # name: (layers, hidden, ffn, heads, kv_heads, vocab)
     "qwen2.5-1.5b": (28, 1536, 8960, 12, 2, 151936),
     "qwen2.5-0.5b": (24, 896, 4864, 14, 2, 151936),
+    "tiny": (2, 256, 256, 4, 2, 320),  # the K-quant fixture the GGUF fuzzer mutates (tokenizer: tiny_qwen2's)
 }
 
 
@@ -39,11 +40,14 @@ def matrix(pools: dict, qtype: QType, rows: int, cols: int, rng: np.random.Gener
     return pools[qtype][pick].reshape(rows, -1)
 
 
-def build(source: str, out: str, shape: str, seed: int = 0) -> None:
+def build(source: str, out: str, shape: str, seed: int = 0, tokenizer: str | None = None) -> None:
+    """tokenizer: a GGUF whose tokenizer and chat template the model gets (default: SOURCE's); its
+    vocabulary must be the shape's."""
     layers, hidden, ffn, heads, kv_heads, vocab = SHAPES[shape]
     head_dim = hidden // heads
     reader = gguf.GGUFReader(source)
     pools = {q: block_pool(reader, q) for q in (QType.Q4_K, QType.Q6_K)}
+    words = gguf.GGUFReader(tokenizer) if tokenizer else reader
     rng = np.random.default_rng(seed)
     arch = "qwen2"
     writer = gguf.GGUFWriter(out, arch=arch)
@@ -56,7 +60,7 @@ def build(source: str, out: str, shape: str, seed: int = 0) -> None:
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(1e6)
     writer.add_layer_norm_rms_eps(1e-6)
-    for key, field in reader.fields.items():  # the tokenizer and chat template
+    for key, field in words.fields.items():  # the tokenizer and chat template
         if key.startswith("tokenizer."):
             value = field.contents()
             value_type = field.types[0]
@@ -99,8 +103,9 @@ def main() -> None:
     parser.add_argument("out", help="the GGUF to write")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", help="a GGUF whose tokenizer to use instead of the source's")
     args = parser.parse_args()
-    build(args.source, args.out, args.shape, args.seed)
+    build(args.source, args.out, args.shape, args.seed, args.tokenizer)
 
 
 if __name__ == "__main__":
