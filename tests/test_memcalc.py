@@ -39,6 +39,7 @@ from inferno.plan.memcalc import (
     resolve_shape,
     row_bytes,
 )
+from inferno.plan.report import human
 
 GiB = 2**30
 
@@ -516,6 +517,9 @@ SHAPE = ("--layers", "64", "--kv-heads", "8")
         ((*SHAPE, "--sliding-window", "8", "--sliding-layers", "1", "--sliding-pattern", "2"), "not both"),
         ((*SHAPE, "--frobnicate"), "No such option"),
         (("--model", "no-such-file.gguf"), "no such file"),
+        ((*SHAPE, "--budget", "9" * 5000), "5,000 digits"),  # more than Python reads into an int
+        ((*SHAPE, "--context", "9" * 5000), "5,000 digits"),
+        ((*SHAPE, "--batch", "9" * 31), "31 digits"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(monkeypatch, capsys, args, message):
@@ -534,6 +538,14 @@ def test_non_gguf_and_broken_models_are_one_line(monkeypatch, capsys, tmp_path):
     for path, message in ((text, "not a GGUF"), (cut, "corrupt"), (tmp_path, "directory")):
         code, _, err = run_main(monkeypatch, capsys, "--model", str(path))
         assert code == 2 and err.count("\n") == 1 and message in err
+
+
+def test_sizes_past_a_floats_range_are_written_in_powers_of_ten():
+    """30 digits of batch and context: bytes past 10^308, which a float division cannot take."""
+    out = cli("--layers 64 --kv-heads 8 --batch 999999999999999999999999999999 --context "
+              "999999999999999999999999999999 --budget 1TiB")
+    assert "2.33e50 PiB / 2.62e50 PB" in out and "largest batch at 999,999" in out
+    assert human(10**400) == "8.88e384 PiB" and human(3 * GiB) == "3.00 GiB"
 
 
 def test_errors_reach_the_shell_without_a_traceback():

@@ -4,6 +4,7 @@ for each context (or, with --kv, what inferno's own cache allocates), the deploy
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -37,6 +38,9 @@ DECIMAL = (("PB", 10**15), ("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 
 def human(n: int, units: tuple[tuple[str, int], ...] = BINARY) -> str:
     for name, size in units:
         if n >= size:
+            if n // size >= 10**15:  # nothing holds that much: the count in powers of ten (floats overflow)
+                exponent = math.floor(math.log10(n // size))
+                return f"{n // size / 10**exponent:.2f}e{exponent} {name}"
             return f"{n / size:.2f} {name}"
     return f"{n} B"
 
