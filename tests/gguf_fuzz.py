@@ -220,7 +220,10 @@ def _tensor_type(rng: random.Random, m: Model) -> str:
 def _tensor_blocks(rng: random.Random, m: Model) -> str:
     """A matrix re-typed, its data random bytes of the new type's size: garbage blocks (NaN, Inf and huge
     scales among them) that the repacking and the integer dots must take, or refuse in one line."""
-    t = rng.choice([t for t in m.tensors if len(t.shape) == 2])
+    matrices = [t for t in m.tensors if len(t.shape) == 2 and 0 < t.shape[0] * t.shape[1] <= 1 << 24]
+    if not matrices:  # an earlier mutation left none of a size to fill
+        return "no matrix to re-type"
+    t = rng.choice(matrices)
     qtype = rng.choice([q for q in BLOCK_TYPES if t.shape[0] % GGML_QUANT_SIZES[q][0] == 0])
     block, size = GGML_QUANT_SIZES[qtype]
     t.type, t.data = int(qtype), rng.randbytes(t.shape[0] // block * size * t.shape[1])
