@@ -250,7 +250,12 @@ def broken_files(snapshot_path, tmp_path):
     header_end = 8 + int.from_bytes(raw[:8], "little")
     flipped = bytearray(raw)
     flipped[header_end + 100] ^= 0x40  # one bit of a key
+    header = json.loads(raw[8:header_end])
+    del header["__metadata__"]["fingerprint"]
+    unsigned = json.dumps(header).encode()
     cases = {
+        "no fingerprint": (len(unsigned).to_bytes(8, "little") + unsigned + raw[header_end:],
+                           "missing or bad 'fingerprint'"),
         "truncated": (raw[: len(raw) // 2], "truncated or corrupt"),
         "header cut": (raw[:40], "truncated or corrupt"),
         "garbage": (b"\xff" * 64, "truncated or corrupt"),

@@ -256,6 +256,9 @@ class Snapshot:
                                f"{rows / 2**30:,.1f} GiB of rows, the file holds {on_disk / 2**30:,.1f} GiB)")
         if model is not None:
             config, fingerprint = model
+            for key in ("architecture", "fingerprint"):
+                if not isinstance(meta.get(key), str):
+                    raise InfernoError(f"{path}: corrupt KV cache snapshot (missing or bad '{key}')")
             if length > config.context_length:
                 raise InfernoError(f"{path}: the snapshot holds {length:,} tokens, more than the model's "
                                    f"context of {config.context_length:,}")
