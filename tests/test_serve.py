@@ -21,6 +21,7 @@ import pytest
 
 from inferno.cli.common import set_threads
 from inferno.runtime.threads import GOVERNOR
+from inferno.serve.app import model_id
 
 openai = pytest.importorskip("openai")
 
@@ -288,6 +289,8 @@ def test_bad_requests_get_openai_errors(server, engine):
     assert_error(post(server, chat_path, {"model": MODEL_ID}), 400, "messages")
     assert_error(post(server, chat_path, ok | {"messages": [{"role": "tool", "content": "x"}]}), 400)
     assert_error(post(server, chat_path, ok | {"model": "gpt-4o"}), 404, "model", "model_not_found")
+    lone = post(server, chat_path, json.dumps(ok | {"model": "\udfff x"}))  # echoed in the error: escaped
+    assert assert_error(lone, 404, "model")["message"].startswith("The model `\udfff x`")
     assert_error(post(server, completions, {"model": MODEL_ID, "prompt": ""}), 400, "prompt")
     context = engine.config.context_length
     long_prompt = list(range(1000, 1000 + context + 10))
@@ -302,6 +305,11 @@ def test_bad_requests_get_openai_errors(server, engine):
     served = post(server, completions, {"model": MODEL_ID, "prompt": "Hello", "max_tokens": 2,
                                          "temperature": 0, "some_extension": {"x": 1}})
     assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_file_name_that_is_not_utf8_is_served_under_a_name_json_can_carry():
+    assert model_id(Path(os.fsdecode(b"/models/tiny-\xff.gguf"))) == "tiny-\ufffd.gguf"
+    assert model_id("/models/tiny.gguf") == "tiny.gguf"
 
 
 def test_disconnected_streams_are_aborted(server):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -37,6 +38,7 @@ from inferno.serve.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    ErrorResponse,
     bad_request,
     chat_messages,
     error_body,
@@ -80,16 +82,17 @@ def create_app(engine_loop: EngineLoop, tokenizer: GGUFTokenizer, metrics: Serve
     @app.exception_handler(APIError)
     async def api_error(_request: Request, exc: APIError) -> JSONResponse:
         headers = {"Retry-After": "1"} if exc.status == 503 else None
-        return JSONResponse(exc.body(), exc.status, headers=headers)
+        return ErrorResponse(exc.body(), exc.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return JSONResponse(error_body(str(exc.detail), "invalid_request_error", None, code), exc.status_code)
+        body = error_body(str(exc.detail), "invalid_request_error", None, code)
+        return ErrorResponse(body, exc.status_code)
 
     @app.exception_handler(Exception)
     async def server_error(_request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), 500)
+        return ErrorResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), 500)
 
     def authorize(request: Request) -> None:
         if config.api_key is None:
@@ -484,4 +487,5 @@ class Completion(Shape):
 
 
 def model_id(path: str | Path) -> str:
-    return Path(path).name
+    """The file's name; bytes of it that are not UTF-8 (which no JSON answer can carry) as U+FFFD."""
+    return os.fsencode(Path(path).name).decode("utf-8", "replace")

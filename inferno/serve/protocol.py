@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_STOP_STRINGS = 4  # OpenAI's bound
@@ -28,6 +29,14 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
+
+
+class ErrorResponse(JSONResponse):
+    """An error object as JSON with every non-ASCII character escaped: an error may quote what the client
+    sent, a lone surrogate included (JSON's \\udfff), which UTF-8 cannot encode."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode()
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
