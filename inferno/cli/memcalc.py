@@ -18,7 +18,7 @@ from inferno.plan.deploy import devices
 from inferno.plan.hf_config import read_hf_config
 from inferno.plan.memcalc import (
     DTYPES,
-    MAX_DIGITS,
+    check_digits,
     default_contexts,
     heads_by_layer,
     kv_heads_by_layer,
@@ -54,8 +54,11 @@ class PositiveInt(click.ParamType):
         self.maximum = maximum
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        if isinstance(value, str) and len(value.strip().lstrip("+-")) > MAX_DIGITS:
-            self.fail(f"{value[:12]}... has {len(value):,} digits: more than anything holds", param, ctx)
+        try:
+            if isinstance(value, str):
+                check_digits(value.strip().lstrip("+"), "value")
+        except InfernoError as exc:
+            self.fail(str(exc), param, ctx)
         try:
             number = int(value)
         except (TypeError, ValueError):

@@ -183,7 +183,7 @@ def parse_count(text: str, what: str = "context") -> int:
     match = _COUNT.fullmatch(text.strip().replace("_", ""))
     if not match:
         raise InfernoError(f"{what} {text!r} is not a whole number of tokens (e.g. 4096, 128k, 1m)")
-    _check_digits(match.group(1), what)
+    check_digits(match.group(1), what)
     value = int(match.group(1)) * _COUNT_SCALE[match.group(2).lower()]
     if value < 1:
         raise InfernoError(f"{what} must be at least 1 token, got {text!r}")
@@ -230,7 +230,7 @@ def parse_size(text: str) -> int:
             )
         raise InfernoError(f"size {text!r} is not understood: use e.g. 24GiB, 32GB, 512MiB or a byte count")
     whole, _, frac = match.group(1).partition(".")
-    _check_digits(whole + frac, "size")
+    check_digits(whole + frac, "size")
     scale = _SIZE_UNITS[unit]
     if frac and scale == 1:
         raise InfernoError(f"size {text!r} is not a whole number of bytes")
@@ -241,7 +241,7 @@ def parse_size(text: str) -> int:
     return size
 
 
-def _check_digits(digits: str, what: str) -> None:
+def check_digits(digits: str, what: str) -> None:
     """Refuse a number of more than MAX_DIGITS digits (Python will not even read one of 4,300)."""
     if len(digits.lstrip("-")) > MAX_DIGITS:
         raise InfernoError(f"{what} {digits[:12]}... has {len(digits):,} digits: more than anything holds")

@@ -38,9 +38,10 @@ DECIMAL = (("PB", 10**15), ("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 
 def human(n: int, units: tuple[tuple[str, int], ...] = BINARY) -> str:
     for name, size in units:
         if n >= size:
-            if n // size >= 10**15:  # nothing holds that much: the count in powers of ten (floats overflow)
-                exponent = math.floor(math.log10(n // size))
-                return f"{n // size / 10**exponent:.2f}e{exponent} {name}"
+            whole = n // size
+            if whole >= 10**15:  # nothing holds that much: the count in powers of ten (floats overflow)
+                exponent = math.floor(math.log10(whole))
+                return f"{whole / 10**exponent:.2f}e{exponent} {name}"
             return f"{n / size:.2f} {name}"
     return f"{n} B"
 
