@@ -375,7 +375,7 @@ def batch_case(rng: random.Random, seed: int) -> Case:
     mode = rng.random()
     body = json.dumps(entry)
     if mode < 0.55:  # one to three keys set to hostile values
-        verdicts = []
+        verdicts = {}  # by key: a key drawn twice is written once, with its last value
         hostile = {}
         for _ in range(rng.choice([1, 1, 1, 2, 3])):
             key = rng.choice([*BATCH_KEYS, "unknown", "Prompt", "", "\\ud800"])
@@ -389,13 +389,13 @@ def batch_case(rng: random.Random, seed: int) -> Case:
                 verdict = False
             if key == "max_new_tokens" and verdict and value > 200:
                 verdict = None  # past the tiny model's context of 256: refused, or run to its end
-            verdicts.append(verdict)
+            verdicts[key] = verdict
             what.append(f"{key}={text[:40]}")
             entry.pop(key, None)
             hostile[key] = text
         pairs = [json.dumps(entry)[1:-1], *(f'"{k}": {t}' for k, t in hostile.items())]
         body = "{" + ", ".join(p for p in pairs if p) + "}"
-        must_refuse, maybe = False in verdicts, None in verdicts
+        must_refuse, maybe = False in verdicts.values(), None in verdicts.values()
     elif mode < 0.65:  # duplicate keys
         key = rng.choice(BATCH_KEYS)
         body = json.dumps(entry)[:-1] + f', "{key}": {pick_json(rng)}, "{key}": {pick_json(rng)}}}'
