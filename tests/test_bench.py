@@ -106,6 +106,17 @@ def test_the_sgemm_peak_counts_the_prefill_products_of_the_model():
     assert got["seconds"] > 0 and got["tok_s"] == pytest.approx(16 / got["seconds"])
 
 
+def test_the_host_read_rate_is_the_bytes_over_the_median_pass(monkeypatch):
+    from inferno.bench import host_read
+
+    # passes of 9 s (the untimed first), then 1, 5 and 2 s: the median is 2
+    ticks = iter([0, 9, 10, 11, 20, 25, 30, 32])
+    monkeypatch.setattr(host_read, "perf_counter", lambda: next(ticks))
+    assert host_read.read_rate(threads=3, mib=3, passes=3) == pytest.approx(3 * 2**20 / 2 / 1e9)
+    monkeypatch.undo()
+    assert 0.1 < host_read.read_rate(threads=2, mib=64, passes=2) < 10_000  # GB/s, for real
+
+
 def test_ab_installs_a_version_under_its_own_name_with_its_imports_renamed(tmp_path):
     from inferno.bench.ab import install
 

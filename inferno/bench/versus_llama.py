@@ -3,7 +3,9 @@
 process time and peak RSS; and the exact prefill as a fraction of the float32 peak, a plain sgemm of
 its weight products (inferno.bench.sgemm_peak). Every measurement is its own process; rounds alternate
 the two engines; the table gives medians, and beside them the lowest and highest of the rounds' own
-ratios (each round's pair ran minutes apart at most: on a shared host their spread is the noise).
+ratios (each round's pair ran minutes apart at most: on a shared host their spread is the noise). Each
+round starts with a plain read of memory (inferno.bench.host_read), printed last: how busy the host
+was, which moves these ratios more than most changes do.
 
     python -m inferno.bench.versus_llama MODEL.gguf --llama-bench PATH [--rounds 3] [--threads 2]
 
@@ -26,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from inferno.bench import sgemm_peak
+from inferno.bench import host_read, sgemm_peak
 from inferno.bench.prompts import exact_prompt
 from inferno.file.reader import open_gguf
 from inferno.text.tokenizer import GGUFTokenizer
@@ -85,7 +87,9 @@ def main() -> None:
 
     t, b = args.threads, args.llama_bench
     peak: list[tuple[float, dict]] = []  # the exact prefill's tok/s, and a plain sgemm of its products
+    reads = []  # GB/s of a plain read, each round
     for _ in range(args.rounds):
+        reads.append(host_read.read_rate(t))
         ours, theirs = inferno(args.model, prompts[16], 64, t, [], warm), llama(b, args.model, t, 0, 64)
         add("decode tok/s, depth 0", ours["decode"], theirs["decode"])
         int8 = inferno(args.model, prompts[16], 64, t, ["--activations", "int8"], warm)  # as llama.cpp rounds
@@ -116,6 +120,8 @@ def main() -> None:
     gflop_s = statistics.median(sgemm["gflop_s"] for _, sgemm in peak)
     print(f"exact prefill of 512: {fraction:.0%} of the float32 peak (a plain sgemm of its weight products: "
           f"{gflop_s:.0f} GFLOP/s)")
+    print(f"the host: a plain read of {host_read.READ_MIB} MiB on {t} threads at "
+          f"{statistics.median(reads):.1f} GB/s (rounds {min(reads):.1f}-{max(reads):.1f})")
     shutil.rmtree(work)  # the prompts and the warm model cache (the size of the model)
 
 
