@@ -1,7 +1,7 @@
 """How fast this machine reads memory right now: a plain parallel sum of an array far larger than the
 caches, on the benchmark's thread count. A figure taken on a shared host means little without it: the
-same code's ratio to llama.cpp moved from 0.86x to 1.33x between a quiet host and a busy one (docs/LOG.md),
-and a decode step's matvecs stream the weights at about the rate this reads.
+same code's ratio to llama.cpp moves by tens of percent between a quiet host and a busy one
+(docs/benchmarks.md), and a decode step's matvecs stream the weights at about the rate this reads.
 
     python -m inferno.bench.host_read [--threads 2] [--mib 512]
 """
@@ -40,6 +40,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--mib", type=int, default=READ_MIB)
     args = parser.parse_args()
+    if args.threads < 1 or args.mib < 1:
+        parser.error("--threads and --mib must be 1 or more")
     rate = read_rate(args.threads, args.mib)
     print(f"a plain read of {args.mib} MiB on {args.threads} threads: {rate:.1f} GB/s")
 
