@@ -73,6 +73,26 @@ def test_the_bench_measures_inferno_in_child_processes(capsys):
     assert "inferno bench" in out and "tiny_llama.gguf" in out and "tok/s @40" in out and "@100" in out
 
 
+# A harness that allocates 400 MB, in itself or aside, then measures a child that allocates nothing.
+_FLOOR = """
+import sys
+from inferno.bench.processes import aside, run_child
+
+ALLOCATE = "import numpy; numpy.ones(50_000_000).sum()"  # 400 MB, touched
+aside(exec, ALLOCATE) if sys.argv[1] == "aside" else exec(ALLOCATE)
+print(run_child([sys.executable, "-c", "print('{}')"], {}, 60).peak_rss_mib)
+"""
+
+
+def test_work_done_aside_is_not_the_floor_of_a_measured_childs_peak_rss():
+    def child_rss(where: str) -> float:
+        cmd = [sys.executable, "-c", _FLOOR, where]
+        return float(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+
+    assert child_rss("here") > 380  # Linux starts a child's peak at its parent's high-water mark
+    assert child_rss("aside") < 200  # a Python with nothing to do: tens of MiB
+
+
 def test_bad_flags_are_one_line_and_exit_2():
     done = subprocess.run([sys.executable, "-m", "inferno.bench", "--engines", "inferno,vllm"],
                           capture_output=True, text=True)

@@ -14,10 +14,8 @@ from typing import Any
 
 from inferno.bench import competitors
 from inferno.bench.figures import LABELS, EngineRuns, Plan, figures_of, summarise
-from inferno.bench.processes import ChildResult, inferno_version, machine, probe, run_child
+from inferno.bench.processes import ChildResult, aside, inferno_version, machine, probe, run_child
 from inferno.bench.prompts import write_prompts
-from inferno.file.reader import open_gguf
-from inferno.text.tokenizer import GGUFTokenizer
 
 # engine -> the modules the other interpreter must have for it, and how to get them
 REQUIREMENTS = {
@@ -103,11 +101,10 @@ def measure(
     An untimed whole run per engine first warms the page cache and the JIT caches; an engine whose
     warm-up fails is not measured. Rounds rotate which engine goes first.
     """
-    tokenizer = GGUFTokenizer.from_gguf(open_gguf(options.model))
     runs = {e: EngineRuns(samples={f: [] for f in plan.figures}) for e in engines}
     errors: list[str] = []
     with tempfile.TemporaryDirectory(prefix="inferno-bench-") as tmp:
-        bench = Bench(options, plan, write_prompts(tokenizer, plan, Path(tmp)))
+        bench = Bench(options, plan, aside(write_prompts, options.model, plan, Path(tmp)))
         working = list(engines)
         if options.warm_up:
             for engine in engines:

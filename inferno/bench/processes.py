@@ -1,12 +1,14 @@
 """One measurement, one process: its wall time, its own peak RSS, and the JSON report it prints.
 
 A process per measurement means no engine warms another's caches and each peak RSS is that
-measurement's alone (read with wait4, which Popen.wait would throw away).
+measurement's alone (read with wait4, which Popen.wait would throw away). Linux starts a child's peak
+at its parent's high-water mark, so the harness keeps itself small: its heavy work runs `aside`.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -14,6 +16,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +27,13 @@ import inferno
 # The folder holding the inferno package: children started there with `-m inferno...` run this very
 # inferno, whatever the caller's working directory.
 SOURCE_ROOT = Path(inferno.__file__).resolve().parents[1]
+
+
+def aside(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) in a fresh process of its own, so that what it allocates (a tokenizer of 262,144
+    tokens peaks at half a GB) never becomes the floor of a measured child's peak RSS."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from inferno.bench.figures import Plan
+from inferno.file.reader import open_gguf
 from inferno.text.tokenizer import GGUFTokenizer
 
 _OPENERS = ["In the morning", "Later that day", "After the rain", "Before dinner", "At the edge of town",
@@ -77,8 +78,10 @@ def exact_prompt(tokenizer: GGUFTokenizer, target: int) -> str:
     return text
 
 
-def write_prompts(tokenizer: GGUFTokenizer, plan: Plan, folder: Path) -> dict[str, Path]:
-    """A file per prompt of the plan in `folder`: the short prompt as it is, the others cut to length."""
+def write_prompts(model: str, plan: Plan, folder: Path) -> dict[str, Path]:
+    """A file per prompt of the plan in `folder`: the short prompt as it is, the others cut to length
+    by the model's tokenizer."""
+    tokenizer = GGUFTokenizer.from_gguf(open_gguf(model))
     files = {"short": folder / "short.txt"}
     files["short"].write_text(plan.short_prompt)
     for prompt, tokens in plan.prompt_lengths.items():

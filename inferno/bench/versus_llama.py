@@ -13,6 +13,10 @@ Whole process: `model-generate` of a 16-token prompt and 16 new tokens against `
 --no-warmup -r 1`, which loads the model, reads a 16-token prompt and generates 16 tokens: the same work
 (llama.cpp's warm-up is skipped; inferno's counts in its time). A first run starts with an empty
 prepared-model cache (Numba's kernel cache warm, as after installing); a later run finds the entry.
+
+Peak RSS is each child's own from wait4, but Linux starts a child's count at its parent's high-water
+mark, so this process stays small: the prompts (a tokenizer of 262,144 tokens peaks at half a GB) and
+the host's read are made in children of their own.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import time
 from pathlib import Path
 
 from inferno.bench import host_read, sgemm_peak
+from inferno.bench.processes import aside
 from inferno.bench.prompts import exact_prompt
 from inferno.file.reader import open_gguf
 from inferno.text.tokenizer import GGUFTokenizer
@@ -71,12 +76,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    tokenizer = GGUFTokenizer.from_gguf(open_gguf(args.model))
     work = Path(tempfile.mkdtemp(prefix="versus-"))
-    prompts = {}
-    for n in (16, 512, 2048):
-        prompts[n] = work / f"p{n}.txt"
-        prompts[n].write_text(exact_prompt(tokenizer, n))
+    prompts = {n: work / f"p{n}.txt" for n in (16, 512, 2048)}
+    aside(exact_prompt_files, args.model, prompts)
     cache = work / "model-cache"
     warm = dict(os.environ, INFERNO_CACHE_DIR=str(cache))
     inferno(args.model, prompts[16], 2, args.threads, [], warm)  # the entry and the kernels, once
@@ -89,7 +91,7 @@ def main() -> None:
     peak: list[tuple[float, dict]] = []  # the exact prefill's tok/s, and a plain sgemm of its products
     reads = []  # GB/s of a plain read, each round
     for _ in range(args.rounds):
-        reads.append(host_read.read_rate(t))
+        reads.append(aside(host_read.read_rate, t))
         ours, theirs = inferno(args.model, prompts[16], 64, t, [], warm), llama(b, args.model, t, 0, 64)
         add("decode tok/s, depth 0", ours["decode"], theirs["decode"])
         int8 = inferno(args.model, prompts[16], 64, t, ["--activations", "int8"], warm)  # as llama.cpp rounds
@@ -123,6 +125,13 @@ def main() -> None:
     print(f"the host: a plain read of {host_read.READ_MIB} MiB on {t} threads at "
           f"{statistics.median(reads):.1f} GB/s (rounds {min(reads):.1f}-{max(reads):.1f})")
     shutil.rmtree(work)  # the prompts and the warm model cache (the size of the model)
+
+
+def exact_prompt_files(model: str, prompts: dict[int, Path]) -> None:
+    """Each file of `prompts` holds English text of exactly its key's count of the model's tokens."""
+    tokenizer = GGUFTokenizer.from_gguf(open_gguf(model))
+    for n, path in prompts.items():
+        path.write_text(exact_prompt(tokenizer, n))
 
 
 if __name__ == "__main__":
