@@ -81,10 +81,15 @@ def exact_prompt(tokenizer: GGUFTokenizer, target: int) -> str:
 def write_prompts(model: str, plan: Plan, folder: Path) -> dict[str, Path]:
     """A file per prompt of the plan in `folder`: the short prompt as it is, the others cut to length
     by the model's tokenizer."""
-    tokenizer = GGUFTokenizer.from_gguf(open_gguf(model))
     files = {"short": folder / "short.txt"}
+    files |= {prompt: folder / f"{prompt}.txt" for prompt in plan.prompt_lengths}
     files["short"].write_text(plan.short_prompt)
-    for prompt, tokens in plan.prompt_lengths.items():
-        files[prompt] = folder / f"{prompt}.txt"
-        files[prompt].write_text(exact_prompt(tokenizer, tokens))
+    write_exact_prompts(model, {files[prompt]: tokens for prompt, tokens in plan.prompt_lengths.items()})
     return files
+
+
+def write_exact_prompts(model: str, counts: dict[Path, int]) -> None:
+    """Each file of `counts` gets English text of exactly its count of the model's tokens."""
+    tokenizer = GGUFTokenizer.from_gguf(open_gguf(model))
+    for path, tokens in counts.items():
+        path.write_text(exact_prompt(tokenizer, tokens))

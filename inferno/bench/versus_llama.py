@@ -34,9 +34,7 @@ from pathlib import Path
 
 from inferno.bench import host_read, sgemm_peak
 from inferno.bench.processes import aside
-from inferno.bench.prompts import exact_prompt
-from inferno.file.reader import open_gguf
-from inferno.text.tokenizer import GGUFTokenizer
+from inferno.bench.prompts import write_exact_prompts
 
 
 def run(cmd: list[str], env: dict | None = None) -> tuple[str, float, int]:
@@ -78,7 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="versus-"))
     prompts = {n: work / f"p{n}.txt" for n in (16, 512, 2048)}
-    aside(exact_prompt_files, args.model, prompts)
+    aside(write_exact_prompts, args.model, {path: n for n, path in prompts.items()})
     cache = work / "model-cache"
     warm = dict(os.environ, INFERNO_CACHE_DIR=str(cache))
     inferno(args.model, prompts[16], 2, args.threads, [], warm)  # the entry and the kernels, once
@@ -125,13 +123,6 @@ def main() -> None:
     print(f"the host: a plain read of {host_read.READ_MIB} MiB on {t} threads at "
           f"{statistics.median(reads):.1f} GB/s (rounds {min(reads):.1f}-{max(reads):.1f})")
     shutil.rmtree(work)  # the prompts and the warm model cache (the size of the model)
-
-
-def exact_prompt_files(model: str, prompts: dict[int, Path]) -> None:
-    """Each file of `prompts` holds English text of exactly its key's count of the model's tokens."""
-    tokenizer = GGUFTokenizer.from_gguf(open_gguf(model))
-    for n, path in prompts.items():
-        path.write_text(exact_prompt(tokenizer, n))
 
 
 if __name__ == "__main__":
