@@ -202,7 +202,7 @@ def _integer_kernel(qtype: int, n_parts: int) -> Callable:
         parts = np.empty((n_rows, n_parts, cols), np.int8)
         scale = np.empty((n_rows, nblocks), np.float32)
         xs = np.empty((n_rows, sums_size(qtype, nblocks)), np.float32)
-        for i in range(n_rows):
+        for i in prange(n_rows):  # a prompt's rows split on every thread
             integer_activations(x[i], parts[i], scale[i], xs[i], qtype)
         nchunks = min(ntiles, nchunks)
         for c in prange(nchunks):  # one run of tiles per thread
