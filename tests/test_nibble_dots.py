@@ -67,6 +67,28 @@ def test_split_rebuilds_each_value_to_float32_precision():
     assert np.all(np.abs(sums - blocks.sum(axis=1)) <= bound)
 
 
+@pytest.mark.parametrize("n_parts", [1, 2, 3])
+def test_fewer_parts_round_each_value_once(n_parts):
+    """With n parts a value is round(x / s * 2^(7 (n - 1))) in balanced digits: off by at most half a
+    step of the last part (plus float32's rounding of x / s), each digit inside its range."""
+    x = activations(np.random.default_rng(1))
+    parts, scale, _ = split(x, n_parts)
+    bits = PART_BITS * (n_parts - 1)
+    combined = sum(parts[i].astype(np.int64) << (PART_BITS * (n_parts - 1 - i)) for i in range(n_parts))
+    rebuilt = np.repeat(scale.astype(np.float64), 32) * combined
+    top = np.repeat(np.abs(x.reshape(-1, 32)).max(axis=1).astype(np.float64), 32)
+    kept = top >= 2.0**-90
+    bound = top / 127 * 2.0 ** -(bits + 1) * (1 + 2.0**-20) + np.abs(x) * 2.0**-22
+    assert np.all(np.abs(rebuilt - x)[kept] <= bound[kept])
+    assert np.all(np.abs(parts[0]) <= 127)
+    assert np.all(np.abs(parts[1:]) <= 1 << (PART_BITS - 1))
+
+
+def test_more_parts_than_four_are_refused():
+    with pytest.raises(ValueError, match="1 to 4 parts"):
+        split(np.ones(32, np.float32), 5)
+
+
 def nibble_reference(quads: np.ndarray, parts: np.ndarray) -> np.ndarray:
     """[activation rows, 16 weight rows] of one block: sum_p S_p * 2^(7 (n - 1 - p)) over the n
     parts, rounded once to float32; quads uint8[4, 16 rows, 4 bytes], parts int8[rows, n, 32+]."""

@@ -100,8 +100,10 @@ def split_activations(x, parts, scale, sums):
             _block_digits(x, 32 * b, times, parts, 1)
         elif n == 2:
             _block_digits(x, 32 * b, times, parts, 2)
-        else:
+        elif n == 3:
             _block_digits(x, 32 * b, times, parts, 3)
+        else:
+            raise ValueError("activations split into 1 to 4 parts")
 
 
 # The two steps of a block's split as whole-block vector code. Written as loops over its 32 values,
