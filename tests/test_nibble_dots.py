@@ -10,18 +10,17 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from inferno.kernels import nibble_dots as module
-from inferno.kernels.jit import njit
-from inferno.kernels.nibble_dots import (
+from inferno.kernels.activation_parts import (
     ACTIVATIONS,
-    LANES,
-    PACKED,
     PART_BITS,
     PARTS,
     first_part_sums,
-    has_vnni,
-    quant_dots,
+    integer_activations,
     split_activations,
+    sums_size,
 )
+from inferno.kernels.jit import njit
+from inferno.kernels.nibble_dots import LANES, PACKED, has_vnni, quant_dots
 from inferno.kernels.repack import TILE_BYTES, repack
 
 
@@ -216,9 +215,8 @@ def split_rows(qtype: int, x: np.ndarray, n_parts: int) -> tuple[np.ndarray, np.
     parts = np.empty((rows, n_parts, cols), np.int8)
     scale, sums = np.empty((rows, cols // 32), np.float32), np.empty((rows, cols // 16), np.float32)
     for i in range(rows):
-        module.integer_activations(x[i], parts[i], scale[i], sums[i, : module.sums_size(qtype, cols // 32)],
-                                   qtype)
-    return parts, scale, np.ascontiguousarray(sums[:, : module.sums_size(qtype, cols // 32)])
+        integer_activations(x[i], parts[i], scale[i], sums[i, : sums_size(qtype, cols // 32)], qtype)
+    return parts, scale, np.ascontiguousarray(sums[:, : sums_size(qtype, cols // 32)])
 
 
 @pytest.mark.parametrize("n_parts", sorted(set(ACTIVATIONS.values())))
@@ -252,9 +250,8 @@ def test_both_instruction_paths_give_the_same_bits(monkeypatch, qtype, n_parts):
     parts = np.empty((3, n_parts, cols), np.int8)
     scale, sums = np.empty((3, cols // 32), np.float32), np.empty((3, cols // 16), np.float32)
     for i in range(3):
-        module.integer_activations(x[i], parts[i], scale[i], sums[i, : module.sums_size(qtype, cols // 32)],
-                                   qtype)
-    sums = np.ascontiguousarray(sums[:, : module.sums_size(qtype, cols // 32)])
+        integer_activations(x[i], parts[i], scale[i], sums[i, : sums_size(qtype, cols // 32)], qtype)
+    sums = np.ascontiguousarray(sums[:, : sums_size(qtype, cols // 32)])
     results = []
     for vnni in (True, False):
         monkeypatch.setattr(module, "has_vnni", lambda vnni=vnni: vnni)

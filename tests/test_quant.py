@@ -15,7 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from inferno.errors import InfernoError
-from inferno.kernels import nibble_dots, quant, sharing
+from inferno.kernels import activation_parts, nibble_dots, quant, sharing
 from inferno.kernels.jit import njit
 from inferno.kernels.quant import FUSED, SUPPORTED, QuantizedMatrix, tensor_to_float32
 from inferno.kernels.quant_batch import batch_matmul
@@ -308,9 +308,9 @@ def test_packed_dots_of_every_type_on_both_instruction_paths(tmp_path, monkeypat
     parts = np.empty((2, n_parts, cols), np.int8)
     scale, sums = np.empty((2, cols // 32), np.float32), np.empty((2, cols // 16), np.float32)
     for i in range(2):
-        nibble_dots.split_activations(x[i], parts[i], scale[i], sums[i, : cols // 32])
+        activation_parts.split_activations(x[i], parts[i], scale[i], sums[i, : cols // 32])
         if qtype == Q.Q6_K:
-            nibble_dots.half_sums(x[i], sums[i])
+            activation_parts.half_sums(x[i], sums[i])
     if qtype != Q.Q6_K:
         sums = np.ascontiguousarray(sums[:, : cols // 32])
 

@@ -31,7 +31,7 @@ def default_text() -> tuple[str, str]:
 @dataclass
 class Fidelity:
     dtype: str
-    activations: str  # how the matrix-vector products took activations (nibble_dots.ACTIVATIONS)
+    activations: str  # how the matrix-vector products took activations (activation_parts.ACTIVATIONS)
     bits_per_value: float  # the cache's bytes over the values it was sized for (scales, open groups included)
     cache_bytes: int
     top1_agreement: float  # share of positions whose most likely next token is the float cache's

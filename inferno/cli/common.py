@@ -291,7 +291,7 @@ def is_gguf_file(path: str) -> bool:
 
 def check_activations(name: str) -> None:
     """--activations names how the matrix-vector products take activations, or a one-line refusal."""
-    from inferno.kernels.nibble_dots import ACTIVATIONS
+    from inferno.kernels.activation_parts import ACTIVATIONS
 
     if name not in ACTIVATIONS:
         raise InfernoError(f"--activations {name!r}: expected one of {', '.join(ACTIVATIONS)}")
@@ -370,7 +370,8 @@ def progress_on(console) -> Callable[[str], AbstractContextManager] | None:
 KERNEL_STEPS = {True: "loading kernels", False: "compiling kernels (first run)",
                 None: "loading or compiling kernels"}
 KERNEL_MODULES = ("inferno.kernels.ops", "inferno.kernels.attention", "inferno.kernels.quant",
-                  "inferno.kernels.quant_batch", "inferno.kernels.nibble_dots", "inferno.kernels.dequant",
+                  "inferno.kernels.quant_batch", "inferno.kernels.nibble_dots",
+                  "inferno.kernels.activation_parts", "inferno.kernels.dequant",
                   "inferno.kernels.repack")
 
 

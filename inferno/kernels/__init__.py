@@ -12,6 +12,7 @@ parallel only where a call has enough work to wake a thread pool.
 - attention: decode's parallel spans, prefill's blocks through BLAS, a sliding window.
 - quant: weights kept in their GGUF block types; matvec on the blocks, BLAS on dequantized chunks.
 - nibble_dots: integer dots of the 4-, 5- and 6-bit types (and Q8_0) on AVX512-VNNI.
+- activation_parts: activations split into int8 parts, float32's precision in four, for those dots.
 - quant_batch: a few activation rows against a quantized weight, the weight read once for all.
 """
 

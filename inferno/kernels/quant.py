@@ -13,7 +13,7 @@ Arithmetic. Dequantization repeats gguf-py's float32 operations in the same orde
 fused multiply-adds) and is bit-identical to `gguf.quants.dequantize`. The matrix-vector kernels
 regroup the sums: for Q4_1, dot(x, d*q + m) over a block is d*sum(x*q) + m*sum(x), with the block
 sums of x computed once per call; the packed types (4, 5 and 6 bits) take sum(x*q) in integers, from
-x split into int8 parts once per call (inferno.kernels.nibble_dots; Q8_0 too when x is rounded to
+x split into int8 parts once per call (inferno.kernels.activation_parts; Q8_0 too when x is rounded to
 int8), the others in float32.
 
 Compilation. Kernels are built per GGML type on first use (see `_kernels`) and cached on disk by Numba.
@@ -36,12 +36,13 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from inferno.errors import InfernoError
+from inferno.kernels.activation_parts import ACTIVATIONS, integer_activations, sums_size
 from inferno.kernels.dequant import DEQUANTIZE, dequantize_tile, zero
 from inferno.kernels.ggml import Q4_K, Q5_K, Q6_K, Q8_0
 from inferno.kernels.jit import njit
 from inferno.kernels.llvm_ir import halves_to_floats, pointer, prefetch_row, splat
-from inferno.kernels.nibble_dots import ACTIVATIONS, PACKED, SPAN, integer_activations, quant_dots, sums_size
 from inferno.kernels.nibble_dots import LANES as NIBBLE_LANES
+from inferno.kernels.nibble_dots import PACKED, SPAN, quant_dots
 from inferno.kernels.repack import IN_MEMORY, TILE_BYTES, TileStore, read_tiles
 from inferno.kernels.sharing import in_spans
 
@@ -65,7 +66,7 @@ K_SUB_BLOCKS = PACKED[Q4_K].sub_blocks
 
 def integer_parts(qtype: int, activations: str) -> int:
     """How many int8 parts a matvec of this type splits x into under `activations` (see
-    nibble_dots.ACTIVATIONS); 0: it multiplies in float32. The packed types always take integers (four
+    activation_parts.ACTIVATIONS); 0: it multiplies in float32. The packed types always take integers (four
     parts keep float32's precision); Q8_0 only with one part ("int8"), where they pay."""
     parts = ACTIVATIONS[activations]
     return parts if qtype in PACKED or (qtype == Q8_0 and parts == 1) else 0
@@ -131,7 +132,7 @@ class QuantizedMatrix:
 
     @property
     def activations(self) -> str:
-        """How matvec takes x (a name in nibble_dots.ACTIVATIONS): "f32", float32's precision, the
+        """How matvec takes x (a name in activation_parts.ACTIVATIONS): "f32", float32's precision, the
         default; "int8", one int8 part per value (the packed types and Q8_0; the others stay float32)."""
         return self._activations
 

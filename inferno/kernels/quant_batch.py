@@ -20,11 +20,12 @@ import numba
 import numpy as np
 from numba import prange
 
+from inferno.kernels.activation_parts import integer_activations, sums_size
 from inferno.kernels.dequant import dequantize_tile, f16
 from inferno.kernels.ggml import Q8_0
 from inferno.kernels.jit import njit
 from inferno.kernels.llvm_ir import prefetch_row
-from inferno.kernels.nibble_dots import SPAN, integer_activations, sums_size
+from inferno.kernels.nibble_dots import SPAN
 from inferno.kernels.quant import QuantizedMatrix, _dot_integer, integer_parts
 
 GROUP_VALUES = 32  # values of a row dequantized per step: one block of the 32-value types

@@ -246,7 +246,7 @@ class Transformer:
         return blocks, present, self.config.layer_windows[i] is None
 
     def set_activations(self, name: str) -> None:
-        """How every matrix-vector product takes its activations (nibble_dots.ACTIVATIONS): "f32",
+        """How every matrix-vector product takes its activations (activation_parts.ACTIVATIONS): "f32",
         the default, keeps the float reference's tokens; "int8" rounds them as llama.cpp does."""
         for matrix in (*self.layer_matrices(), self.output):
             matrix.activations = name

@@ -47,7 +47,7 @@ class Metrics:
     decode_ms: float = 0.0  # from the first token out to the last
     cache: str | None = None  # the cache layout, None without a cache
     cache_dtype: str | None = None  # the element type of its rows
-    activations: str = "f32"  # how the matrix-vector products took activations (nibble_dots.ACTIVATIONS)
+    activations: str = "f32"  # how the matrix-vector products took activations (activation_parts.ACTIVATIONS)
     cache_bytes: int = 0
     cache_capacity: int = 0
     evicted_tokens: int = 0  # positions a window cache no longer holds (it evicts instead of refusing)
