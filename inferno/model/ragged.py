@@ -43,7 +43,10 @@ class Ragged:
             (self.bounds[members], batch_of([self.caches[b] for b in members])) for members in together
         ]
         grouped = {b for members in together for b in members}
-        self._alone = [b for b in range(len(caches)) if b not in grouped]
+        # the other sequences, each attending alone: (cache, its first row, its row past the last, the
+        # position of its first new token), in Python ints: a decode step reads them in every layer
+        self._alone = [(caches[b], int(self.bounds[b]), int(self.bounds[b + 1]), starts[b])
+                       for b in range(len(caches)) if b not in grouped]
 
     def __len__(self) -> int:
         return len(self.caches)
@@ -61,26 +64,33 @@ class Ragged:
             batch = self._batches[0][1]
             batch.write(layer, k, v)
             return batch.attend(layer, q, n_heads)
+        if not self._batches and len(self._alone) == 1:  # one sequence: its rows are all the rows
+            return self._attend_alone(layer, self._alone[0], q, k, v, n_heads, window)
         out = np.empty_like(q)
         for rows, batch in self._batches:
             batch.write(layer, k[rows], v[rows])
             out[rows] = batch.attend(layer, q[rows], n_heads)
-        for b in self._alone:
-            a, e = self.bounds[b], self.bounds[b + 1]
-            cache, pos = self.caches[b], int(self.positions[a])
-            if cache is None:
-                out[a:e] = attention.attention_prefill(q[a:e], k[a:e], v[a:e], n_heads, 0, window=window)
-            elif e - a == 1:
-                cache.write(layer, pos, k[a:e], v[a:e])
-                out[a] = cache.attend(layer, q[a], pos + 1)
-            else:
-                out[a:e] = cache.attend_new(layer, pos, q[a:e], k[a:e], v[a:e])
+        for alone in self._alone:
+            a, e = alone[1], alone[2]
+            out[a:e] = self._attend_alone(layer, alone, q[a:e], k[a:e], v[a:e], n_heads, window)
         return out
+
+    @staticmethod
+    def _attend_alone(layer: int, alone: tuple, q: np.ndarray, k: np.ndarray, v: np.ndarray, n_heads: int,
+                      window: int | None) -> np.ndarray:
+        """`attend` for one sequence's rows q, k, v of its new tokens."""
+        cache, a, e, pos = alone
+        if cache is None:
+            return attention.attention_prefill(q, k, v, n_heads, 0, window=window)
+        if e - a == 1:
+            cache.write(layer, pos, k, v)
+            return cache.attend(layer, q[0], pos + 1)[None]
+        return cache.attend_new(layer, pos, q, k, v)
 
     def commit(self) -> None:
         """Every sequence's new tokens become visible in its cache, once every layer stored them."""
         for _, batch in self._batches:
             batch.commit()
-        for b in self._alone:
-            if self.caches[b] is not None:
-                self.caches[b].commit(self.counts[b])
+        for cache, a, e, _ in self._alone:
+            if cache is not None:
+                cache.commit(e - a)

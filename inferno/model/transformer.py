@@ -48,6 +48,8 @@ class Projections:
         self.matrices = matrices
         place = {name: (m, p) for m, mat in enumerate(matrices) for p, name in enumerate(mat.part_names)}
         self._where = [place[name] for name in names]  # (matrix, part) holding each weight
+        self._columns = [(m, slice(first, first + n))  # (matrix, its output's columns) of each weight
+                         for m, p in self._where for first, n in [matrices[m].parts[p]]]
 
     @classmethod
     def from_tensors(cls, tensors: list[gguf.ReaderTensor]) -> Projections:
@@ -60,11 +62,7 @@ class Projections:
             return [self.matrices[m].matmul(x, part=p) for m, p in self._where]
         # Few rows (decode has one): one matvec per stacked matrix and row, then each weight's columns.
         outs = [(matmul or QuantizedMatrix.matmul)(m, x) for m in self.matrices]
-        views = []
-        for m, p in self._where:
-            first, n = self.matrices[m].parts[p]
-            views.append(np.ascontiguousarray(outs[m][:, first : first + n]))  # no copy for one row
-        return views
+        return [np.ascontiguousarray(outs[m][:, columns]) for m, columns in self._columns]  # one row: no copy
 
 
 def stack_tensors(tensors: list[gguf.ReaderTensor], store: TileStore = IN_MEMORY) -> list[QuantizedMatrix]:
