@@ -10,6 +10,7 @@ and themselves). Decode steps of paged sequences sharing one pool attend in one 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -17,6 +18,15 @@ from inferno.kernels import attention
 from inferno.kv import KVCache
 from inferno.kv.batch import CacheBatch, batch_of
 from inferno.kv.paged import PagedKVCache
+
+
+class _Alone(NamedTuple):
+    """A sequence that attends on its own, in Python ints: a decode step reads them in every layer."""
+
+    cache: KVCache | None
+    first: int  # its first row
+    end: int  # its row past the last
+    pos: int  # the position of its first new token
 
 
 class Ragged:
@@ -43,9 +53,7 @@ class Ragged:
             (self.bounds[members], batch_of([self.caches[b] for b in members])) for members in together
         ]
         grouped = {b for members in together for b in members}
-        # the other sequences, each attending alone: (cache, its first row, its row past the last, the
-        # position of its first new token), in Python ints: a decode step reads them in every layer
-        self._alone = [(caches[b], int(self.bounds[b]), int(self.bounds[b + 1]), starts[b])
+        self._alone = [_Alone(caches[b], int(self.bounds[b]), int(self.bounds[b + 1]), starts[b])
                        for b in range(len(caches)) if b not in grouped]
 
     def __len__(self) -> int:
@@ -71,18 +79,18 @@ class Ragged:
             batch.write(layer, k[rows], v[rows])
             out[rows] = batch.attend(layer, q[rows], n_heads)
         for alone in self._alone:
-            a, e = alone[1], alone[2]
+            a, e = alone.first, alone.end
             out[a:e] = self._attend_alone(layer, alone, q[a:e], k[a:e], v[a:e], n_heads, window)
         return out
 
     @staticmethod
-    def _attend_alone(layer: int, alone: tuple, q: np.ndarray, k: np.ndarray, v: np.ndarray, n_heads: int,
+    def _attend_alone(layer: int, alone: _Alone, q: np.ndarray, k: np.ndarray, v: np.ndarray, n_heads: int,
                       window: int | None) -> np.ndarray:
         """`attend` for one sequence's rows q, k, v of its new tokens."""
-        cache, a, e, pos = alone
+        cache, pos = alone.cache, alone.pos
         if cache is None:
             return attention.attention_prefill(q, k, v, n_heads, 0, window=window)
-        if e - a == 1:
+        if alone.end - alone.first == 1:
             cache.write(layer, pos, k, v)
             return cache.attend(layer, q[0], pos + 1)[None]
         return cache.attend_new(layer, pos, q, k, v)
@@ -91,6 +99,6 @@ class Ragged:
         """Every sequence's new tokens become visible in its cache, once every layer stored them."""
         for _, batch in self._batches:
             batch.commit()
-        for cache, a, e, _ in self._alone:
-            if cache is not None:
-                cache.commit(e - a)
+        for alone in self._alone:
+            if alone.cache is not None:
+                alone.cache.commit(alone.end - alone.first)
