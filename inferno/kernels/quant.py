@@ -178,10 +178,8 @@ class QuantizedMatrix:
         x = np.ascontiguousarray(x, dtype=np.float32)
         if x.ndim != 2 or x.shape[1] != self.cols:
             raise ValueError(f"{self.name}: matmul needs x of shape (n, {self.cols}), got {x.shape}")
-        if len(x) == 1 and part is None:  # a decode step's product: the matvec's kernel alone (x is checked)
-            out = np.empty((1, self.rows), np.float32)
-            self._matvec(self._tiles, x[0], out[0], numba.config.NUMBA_NUM_THREADS)
-            return out
+        if len(x) == 1 and part is None:  # a decode step's product: the matvec alone
+            return self.matvec(x[0]).reshape(1, self.rows)
         start, rows = (0, self.rows) if part is None else self.parts[part]
         out = np.empty((x.shape[0], rows), np.float32)
         if not uses_blas(x.shape[0]):
